@@ -1,0 +1,179 @@
+/*
+ * gdn.h — the C API of flashqla: Gated DeltaNet (gated delta rule) kernels.
+ *
+ * No Python in here, and none in any backend: a C program can link the core.
+ * One params struct carries sizes, dtypes and pointers; one entry point per
+ * (operation, backend). Every entry point returns an fq_status; on failure the
+ * message is kept (per thread) and fq_last_error() returns it. The core never
+ * prints and never exits.
+ *
+ * The operator (per sequence n, value head j, tokens t = 1..T_n; DESIGN.md §1):
+ *
+ *     alpha_t = exp(g_t)                          g_t <= 0, a log-space decay
+ *     u_t     = beta_t (v_t - alpha_t S_{t-1}^T k_t)
+ *     S_t     = alpha_t S_{t-1} + k_t u_t^T        S in R^{K x V}
+ *     o_t     = scale * S_t^T q_t
+ *
+ * with q/k head h = j / (HV / H) (grouped value heads), S_0 = h0[n, j] (zeros
+ * when h0 is NULL) and S_T the final state ht[n, j].
+ *
+ * Layouts (all row-major and contiguous; the binding rejects anything else):
+ *
+ *     q, k, dq, dk        [B, T, H,  K]    dtype  p->dtype
+ *     v, o, dv, do        [B, T, HV, V]    dtype  p->dtype
+ *     g, beta, dg, dbeta  [B, T, HV]       dtype  p->gate_dtype
+ *     h0, ht, dh0, dht    [N, HV, K, V]    dtype  p->state_dtype
+ *     state (recurrent)   [P, HV, K, V]    dtype  p->state_dtype
+ *     cu_seqlens          [N + 1]          int32 or int64 (B == 1 then)
+ *     state_indices       [N]              int32 or int64
+ *
+ * Without cu_seqlens, N = B and sequence n is row n of the batch (T tokens).
+ * With cu_seqlens, B = 1 and sequence n is tokens cu_seqlens[n] ..
+ * cu_seqlens[n+1]-1 (an empty sequence is allowed: its final state is its
+ * initial state).
+ *
+ * Pointers are host pointers for the CPU backend and device pointers for the
+ * CUDA backend (cu_seqlens and state_indices included).
+ */
+#ifndef FQ_GDN_H
+#define FQ_GDN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    FQ_OK = 0,
+    FQ_ERR_VALUE = 1,    /* a bad size, shape or value: maps to ValueError */
+    FQ_ERR_TYPE = 2,     /* a dtype the backend does not take: TypeError   */
+    FQ_ERR_NOMEM = 3,    /* host allocation failed: MemoryError             */
+    FQ_ERR_CUDA = 4,     /* a CUDA call or launch failed: flashqla.Error    */
+    FQ_ERR_UNSUPPORTED = 5, /* backend not built / feature not on backend   */
+    FQ_ERR_INTERNAL = 6
+} fq_status;
+
+typedef enum {
+    FQ_F32 = 0,
+    FQ_F16 = 1,
+    FQ_BF16 = 2,
+    FQ_F64 = 3
+} fq_dtype;
+
+/* Size in bytes of one element of the dtype (0 for an unknown value). */
+size_t fq_dtype_size(fq_dtype dt);
+const char *fq_dtype_name(fq_dtype dt);
+
+/* The message of the last failed call on this thread ("" if none). */
+const char *fq_last_error(void);
+/* Set the message (printf-style) and return `st`: for the backends. */
+fq_status fq_fail(fq_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+typedef struct fq_gdn_params {
+    /* ---- sizes ---- */
+    int64_t B, T;        /* batch rows, tokens per row                         */
+    int64_t H, HV;       /* q/k heads, value heads (HV % H == 0)               */
+    int64_t K, V;        /* head dims of q/k and of v                          */
+    int64_t N;           /* sequences: B, or len(cu_seqlens) - 1              */
+    int64_t P;           /* state-pool slots (recurrent only; N without indices) */
+
+    /* ---- dtypes ---- */
+    fq_dtype dtype;       /* q, k, v, o and their gradients                   */
+    fq_dtype gate_dtype;  /* g, beta, dg, dbeta                                */
+    fq_dtype state_dtype; /* h0, ht, dh0, dht, state: F32 (F64 with F64 input) */
+
+    /* ---- options ---- */
+    double scale;         /* o = scale * S^T q; callers pass K^-1/2 by default */
+    int use_qk_l2norm;    /* q, k <- q/||q||, k/||k|| per head (eps 1e-6), inside */
+
+    /* ---- inputs ---- */
+    const void *q, *k, *v, *g, *beta;
+    const void *h0;             /* initial state or NULL (zeros)              */
+    const void *cu_seqlens;     /* NULL, or N+1 offsets                       */
+    int cu_seqlens_is_int64;    /* 1: int64, 0: int32                         */
+
+    /* ---- forward outputs ---- */
+    void *o;
+    void *ht;                   /* final state or NULL (not requested)        */
+
+    /* ---- backward: inputs and outputs ---- */
+    const void *dout;           /* dL/do                                     */
+    const void *dht;            /* dL/dht or NULL (zero)                     */
+    void *dq, *dk, *dv, *dg, *dbeta;
+    void *dh0;                  /* NULL when h0 is NULL                      */
+
+    /* ---- recurrent step ---- */
+    void *state;                /* [P, HV, K, V], read and updated in place  */
+    const void *state_indices;  /* NULL, or N slot numbers; slot < 0: padding,
+                                   the sequence is skipped (o written as 0)  */
+    int state_indices_is_int64;
+
+    /* ---- execution ---- */
+    int num_threads;            /* CPU: threads; <= 0 means the default       */
+    void *stream;               /* CUDA: cudaStream_t to launch on            */
+    int device;                 /* CUDA: device ordinal of every pointer      */
+    void *workspace;            /* CUDA: caller-owned scratch (device memory) */
+    size_t workspace_bytes;     /* its size; see fq_cuda_*_workspace_bytes     */
+} fq_gdn_params;
+
+/* Fill with zeros/NULLs and the defaults (scale = 0 means K^-1/2 is applied by
+ * the caller; the core uses p->scale as given). */
+void fq_params_init(fq_gdn_params *p);
+
+/* Checks every size, pointer and dtype rule above, and the contents of
+ * cu_seqlens (starts at 0, non-decreasing, ends at T) and state_indices
+ * (< P) read as host memory. `op` is 'f' (chunk forward), 'b' (chunk backward)
+ * or 'r' (recurrent). The CPU backend calls it first. */
+fq_status fq_check_params(const fq_gdn_params *p, char op);
+/* The same checks without reading cu_seqlens / state_indices (device memory):
+ * the CUDA backend calls this one. */
+fq_status fq_check_params_device(const fq_gdn_params *p, char op);
+
+/* ---------------------------------------------------------------- CPU ---- */
+/* Default thread count: FLASHQLA_NUM_THREADS if set (> 0), else all cores. */
+int fq_cpu_default_threads(void);
+
+/* Chunked forward (DESIGN §2, C = 64): writes o and, if non-NULL, ht. */
+fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p);
+/* Chunked backward: from dout (and dht) writes dq, dk, dv, dg, dbeta and, if
+ * h0 was given, dh0. Recomputes every intermediate from the inputs. */
+fq_status fq_cpu_chunk_bwd(const fq_gdn_params *p);
+/* Recurrent step over T tokens per sequence, state pool updated in place;
+ * writes o. */
+fq_status fq_cpu_recurrent(const fq_gdn_params *p);
+
+/* --------------------------------------------------------------- CUDA ---- */
+/* 1 if the library was built with the CUDA backend, else 0 (then every
+ * fq_cuda_* entry point returns FQ_ERR_UNSUPPORTED). */
+int fq_cuda_built(void);
+/* Small runtime helpers for the binding (which includes no CUDA header):
+ * device memory for buffers handed out through DLPack, and a wait on the
+ * legacy default stream of a device. */
+fq_status fq_cuda_alloc(int device, size_t bytes, void **ptr);
+fq_status fq_cuda_free(int device, void *ptr);
+fq_status fq_cuda_synchronize_stream(int device, void *stream);
+/* Device scratch the caller must provide in p->workspace for each call.
+ * Depends only on sizes (B, T, H, HV, K, V, N, dtype), never on data. */
+size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p);
+size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p);
+size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p);
+/* Same contracts as the CPU entry points. Asynchronous on p->stream: no host
+ * synchronisation, no allocation, capturable in a CUDA graph. Invalid
+ * cu_seqlens contents (not non-decreasing, not from 0 to T) cannot be seen
+ * from the host without a synchronisation: the kernels then fill the outputs
+ * with NaN instead of reading out of bounds. */
+fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p);
+fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p);
+fq_status fq_cuda_recurrent(const fq_gdn_params *p);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FQ_GDN_H */

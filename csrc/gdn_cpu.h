@@ -1,0 +1,226 @@
+/*
+ * gdn_cpu.h — internal helpers shared by the CPU backend files
+ * (gdn_cpu_fwd.c, gdn_cpu_bwd.c, gdn_cpu_recurrent.c). Not part of the public
+ * API (that is gdn.h); nothing here touches Python.
+ *
+ *   fq_cpu_parallel_for    pthreads parallel-for over n items (atomic counter)
+ *   fq_cpu_resolve_threads how many threads a parallel-for of n items will use
+ *   fq_cpu_load_f32/_f64   a row of n elements of any fq_dtype -> float/double
+ *   fq_cpu_store_f32/_f64  float/double -> a row of any fq_dtype (RNE rounding)
+ *   fq_cpu_seq_bounds      sequence n -> (batch row, first token, length)
+ *   fq_cpu_l2norm_f32/_f64 x <- x / sqrt(sum x^2 + 1e-6)
+ *   fq_cpu_index           read entry i of an int32/int64 index array
+ *   fq_cpu_gemm_f32/_f64   C = cscale*C + A.B, register-blocked micro-kernel
+ *   fq_cpu_expf            vectorisable float exp
+ *
+ * The definitions live in gdn_cpu_common.c (owner: cpu-fwd helper).
+ * These declarations are stable: other files build on them.
+ */
+#ifndef FQ_GDN_CPU_H
+#define FQ_GDN_CPU_H
+
+#include "gdn.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------- parallel-for ---- */
+
+/* Calls fn(ctx, item, thread_id) once for every item in [0, n_items), spread
+ * over up to num_threads threads (<= 0: fq_cpu_default_threads()); never more
+ * threads than items. Items are handed out one at a time with an atomic
+ * counter; thread_id is in [0, fq_cpu_resolve_threads(n_items, num_threads))
+ * so per-thread scratch can be indexed by it. With one thread (or one item)
+ * everything runs inline on the calling thread. If a thread cannot be created
+ * the remaining threads (the caller included) do its share: the call still
+ * completes every item and returns FQ_OK. */
+fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
+                              void (*fn)(void *ctx, int64_t item, int thread_id),
+                              void *ctx);
+
+/* The number of threads fq_cpu_parallel_for(n_items, num_threads, ...) uses
+ * (>= 1): min(num_threads or the default, n_items), at least 1. */
+int fq_cpu_resolve_threads(int64_t n_items, int num_threads);
+
+/* -------------------------------------------------- dtype conversions ---- */
+
+static inline float fq_cpu_bits_to_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t fq_cpu_f32_to_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float fq_cpu_bf16_to_f32(uint16_t h) { return fq_cpu_bits_to_f32((uint32_t)h << 16); }
+
+/* Round to nearest even; NaN stays NaN (quietened), Inf stays Inf. */
+static inline uint16_t fq_cpu_f32_to_bf16(float f)
+{
+    uint32_t u = fq_cpu_f32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float fq_cpu_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return fq_cpu_bits_to_f32(fq_cpu_f32_to_bits(f) | sign);
+    }
+    if (e == 31) return fq_cpu_bits_to_f32(sign | 0x7f800000u | (m << 13)); /* Inf / NaN */
+    return fq_cpu_bits_to_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* Round to nearest even, overflow to Inf, subnormals kept, NaN stays NaN. */
+static inline uint16_t fq_cpu_f32_to_f16(float f)
+{
+    uint32_t u = fq_cpu_f32_to_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) /* Inf or NaN (NaN keeps a quiet mantissa bit) */
+        return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u | ((a >> 13) & 0x3ffu) : 0u));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to Inf */
+    if (a < 0x38800000u) {                                    /* below 2^-14: subnormal */
+        /* adding 0.5 puts the half-precision ulp 2^-24 at the float ulp of
+         * 0.5, so the FPU's round-to-nearest-even does the rounding */
+        float s = fq_cpu_bits_to_f32(a) + 0.5f;
+        return (uint16_t)(sign | (fq_cpu_f32_to_bits(s) - 0x3f000000u));
+    }
+    uint32_t odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + odd; /* rebias exponent (-112 << 23) and round */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+/* Row conversions: element `offset` .. offset+n-1 of the array `base` of dtype
+ * dt, to/from float or double. F64 -> float rounds; float -> F16/BF16 rounds
+ * to nearest even. */
+void fq_cpu_load_f32(float *dst, const void *base, fq_dtype dt, int64_t offset, int64_t n);
+void fq_cpu_load_f64(double *dst, const void *base, fq_dtype dt, int64_t offset, int64_t n);
+void fq_cpu_store_f32(void *base, fq_dtype dt, int64_t offset, const float *src, int64_t n);
+void fq_cpu_store_f64(void *base, fq_dtype dt, int64_t offset, const double *src, int64_t n);
+
+/* One element (slow path; for scalars such as g and beta). */
+static inline double fq_cpu_load1(const void *base, fq_dtype dt, int64_t i)
+{
+    switch (dt) {
+    case FQ_F32: return ((const float *)base)[i];
+    case FQ_F16: return fq_cpu_f16_to_f32(((const uint16_t *)base)[i]);
+    case FQ_BF16: return fq_cpu_bf16_to_f32(((const uint16_t *)base)[i]);
+    case FQ_F64: return ((const double *)base)[i];
+    }
+    return 0.0;
+}
+
+/* Rules of the CPU forward and recurrent step beyond fq_check_params:
+ * 16 <= K, V <= 256 (FQ_ERR_VALUE naming "q" / "v"), gate_dtype F32 or equal
+ * to dtype (FQ_ERR_TYPE naming "g"). Defined in gdn_cpu_fwd.c. */
+fq_status fq_cpu_check_dims(const fq_gdn_params *p);
+
+/* Prefetch elements offset .. offset+n-1 of an array of dtype dt into the
+ * cache (a hint; no-op without GCC/clang builtins). */
+static inline void fq_cpu_prefetch_row(const void *base, fq_dtype dt, int64_t offset, int64_t n)
+{
+#if defined(__GNUC__)
+    const size_t es = fq_dtype_size(dt);
+    const char *a = (const char *)base + (size_t)offset * es;
+    for (size_t b = 0; b < (size_t)n * es; b += 64) __builtin_prefetch(a + b, 0, 2);
+#else
+    (void)base; (void)dt; (void)offset; (void)n;
+#endif
+}
+
+/* ------------------------------------------------------------ indices ---- */
+
+static inline int64_t fq_cpu_index(const void *base, int is_int64, int64_t i)
+{
+    return is_int64 ? ((const int64_t *)base)[i] : (int64_t)((const int32_t *)base)[i];
+}
+
+/* Sequence n of p: its batch row, its first token within that row, and its
+ * length. Token t (0-based) of the sequence is flat token
+ * row * p->T + first + t of the [B, T] arrays, so q element (t, h, i) is at
+ * ((row * T + first + t) * H + h) * K + i. */
+static inline void fq_cpu_seq_bounds(const fq_gdn_params *p, int64_t n, int64_t *row,
+                                     int64_t *first, int64_t *len)
+{
+    if (p->cu_seqlens) {
+        int64_t a = fq_cpu_index(p->cu_seqlens, p->cu_seqlens_is_int64, n);
+        int64_t b = fq_cpu_index(p->cu_seqlens, p->cu_seqlens_is_int64, n + 1);
+        *row = 0;
+        *first = a;
+        *len = b - a;
+    } else {
+        *row = n;
+        *first = 0;
+        *len = p->T;
+    }
+}
+
+/* ---------------------------------------------------------- L2 norm ---- */
+
+#define FQ_L2NORM_EPS 1e-6
+
+/* x <- x / sqrt(sum_i x_i^2 + 1e-6)   (FLA's l2norm: x * rsqrt(sum x^2 + eps)) */
+void fq_cpu_l2norm_f32(float *x, int64_t n);
+void fq_cpu_l2norm_f64(double *x, int64_t n);
+
+
+/* ------------------------------------------------------ small matmuls ---- */
+
+/* C[m x n] = (load_c ? cscale * C : 0) + A[m x k] . B[k x n], all row-major
+ * with leading dimensions lda, ldb, ldc (elements). A must not alias C.
+ * tri = FQ_TRI_NONE: the full product.
+ * tri = FQ_TRI_K:    B's row p is taken as zero for p > the last row of the
+ *                    current 8-row block of C (A lower-triangular: the
+ *                    product only sums p <= i rounded up to the block).
+ * tri = FQ_TRI_N:    only columns j <= i (rounded up to a 32-column tile) of
+ *                    C are needed; others may be left unwritten.
+ * Fast path (AVX-512 register-blocked 8 x 32 micro-kernel) when m % 8 == 0 and
+ * n % 32 == 0; any m, n, k work. */
+enum { FQ_TRI_NONE = 0, FQ_TRI_K = 1, FQ_TRI_N = 2 };
+void fq_cpu_gemm_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda,
+                     const float *B, int64_t ldb, float *C, int64_t ldc, float cscale,
+                     int load_c, int tri);
+void fq_cpu_gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t lda,
+                     const double *B, int64_t ldb, double *C, int64_t ldc, double cscale,
+                     int load_c, int tri);
+
+/* ---------------------------------------------------------------- exp ---- */
+
+/* exp(x) in float, vectorisable (no libm call): range reduction
+ * x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial (rel. error
+ * ~1e-7), scaled by 2^n. exp(x) = 0 for x < -87 (no subnormals), Inf for
+ * x > 88.7, NaN in -> NaN out. */
+static inline float fq_cpu_expf(float x)
+{
+    float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint */
+    float r = xc - n * 0.693145751953125f;                         /* ln2 high */
+    r = r - n * 1.42860682030941723212e-6f;                        /* ln2 low  */
+    float pl = 1.0f / 5040.0f;
+    pl = pl * r + 1.0f / 720.0f;
+    pl = pl * r + 1.0f / 120.0f;
+    pl = pl * r + 1.0f / 24.0f;
+    pl = pl * r + 1.0f / 6.0f;
+    pl = pl * r + 0.5f;
+    pl = pl * r + 1.0f;
+    pl = pl * r + 1.0f;
+    float two_n = fq_cpu_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+    float y = pl * two_n;
+    y = x < -87.0f ? 0.0f : y;
+    y = x > 88.72f ? INFINITY : y;
+    return x != x ? x : y;
+}
+
+#endif /* FQ_GDN_CPU_H */

@@ -1,0 +1,297 @@
+"""Framework adapters: what flashqla needs from NumPy, PyTorch, CuPy and JAX.
+
+Each adapter knows how to name a dtype, make an array contiguous, cast it,
+allocate an output of its own framework on the device of another array, and
+which CUDA stream and workspace to hand to flashqla._C. Frameworks are
+imported only when an array of theirs is passed in, so importing flashqla
+needs none of them.
+"""
+
+import sys
+
+from . import _C
+
+_STATE_DTYPE = {"float64": "float64"}  # everything else keeps its state in float32
+
+
+def state_dtype_of(dtype_name):
+    return _STATE_DTYPE.get(dtype_name, "float32")
+
+
+class Framework:
+    """Base class; the methods every adapter provides."""
+
+    name = "?"
+
+    def check(self, x, argname):
+        pass
+
+    def dtype_name(self, x):
+        return x.dtype.name
+
+    def is_floating(self, x):
+        return self.dtype_name(x) in ("float16", "bfloat16", "float32", "float64")
+
+    def contiguous(self, x):
+        raise NotImplementedError
+
+    def astype(self, x, dtype_name):
+        raise NotImplementedError
+
+    def index_array(self, x, like, argname):
+        """cu_seqlens / state_indices: an int32/int64 array of this framework
+        on like's device (lists, tuples and NumPy arrays are converted)."""
+        raise NotImplementedError
+
+    def device(self, x):
+        """('cpu', 0) or ('cuda', ordinal)."""
+        return ("cpu", 0)
+
+    def empty(self, shape, dtype_name, like):
+        raise NotImplementedError
+
+    def launch(self, op, like, sizes, dtype_name):
+        """Keyword arguments stream= and workspace= for a _C call on like's device."""
+        return {}
+
+    def before_call(self, arrays):
+        pass
+
+    def after_call(self, like):
+        pass
+
+    def output(self, buf):
+        return buf
+
+    def detach(self, x):
+        return x
+
+
+def _workspace_size(op, sizes, dtype_name):
+    B, T, H, HV, K, V, N = sizes
+    return int(_C.workspace_bytes(op, B, T, H, HV, K, V, N, dtype_name))
+
+
+# ------------------------------------------------------------------ NumPy ----
+
+class NumpyFramework(Framework):
+    name = "numpy"
+
+    def contiguous(self, x):
+        import numpy as np
+        return np.ascontiguousarray(x)
+
+    def astype(self, x, dtype_name):
+        return x.astype(dtype_name)
+
+    def index_array(self, x, like, argname):
+        return _numpy_index(x)
+
+    def empty(self, shape, dtype_name, like):
+        import numpy as np
+        return np.empty(shape, dtype=dtype_name)
+
+
+# ---------------------------------------------------------------- PyTorch ----
+
+class TorchFramework(Framework):
+    name = "torch"
+
+    @staticmethod
+    def _torch():
+        import torch
+        return torch
+
+    def dtype_name(self, x):
+        return str(x.dtype).replace("torch.", "")
+
+    def is_floating(self, x):
+        return x.is_floating_point()
+
+    def contiguous(self, x):
+        return x.contiguous()
+
+    def astype(self, x, dtype_name):
+        return x.to(getattr(self._torch(), dtype_name))
+
+    def index_array(self, x, like, argname):
+        torch = self._torch()
+        if isinstance(x, torch.Tensor):
+            if x.device != like.device:
+                x = x.to(like.device)
+            return x.contiguous()
+        return torch.as_tensor(_numpy_index(x), device=like.device).contiguous()
+
+    def device(self, x):
+        if x.device.type == "cuda":
+            idx = x.device.index
+            return ("cuda", self._torch().cuda.current_device() if idx is None else idx)
+        return (x.device.type, 0)
+
+    def empty(self, shape, dtype_name, like):
+        torch = self._torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype_name), device=like.device)
+
+    def launch(self, op, like, sizes, dtype_name):
+        if like.device.type != "cuda":
+            return {}
+        torch = self._torch()
+        n = _workspace_size(op, sizes, dtype_name)
+        ws = torch.empty(n, dtype=torch.uint8, device=like.device) if n > 0 else None
+        return {"stream": torch.cuda.current_stream(like.device).cuda_stream, "workspace": ws}
+
+    def detach(self, x):
+        return x.detach()
+
+
+# ------------------------------------------------------------------- CuPy ----
+
+class CupyFramework(Framework):
+    name = "cupy"
+
+    def contiguous(self, x):
+        import cupy
+        return cupy.ascontiguousarray(x)
+
+    def astype(self, x, dtype_name):
+        return x.astype(dtype_name)
+
+    def index_array(self, x, like, argname):
+        import cupy
+        with like.device:
+            if isinstance(x, cupy.ndarray):
+                return cupy.ascontiguousarray(x)
+            return cupy.asarray(_numpy_index(x))
+
+    def device(self, x):
+        return ("cuda", x.device.id)
+
+    def empty(self, shape, dtype_name, like):
+        import cupy
+        with like.device:
+            return cupy.empty(shape, dtype=dtype_name)
+
+    def launch(self, op, like, sizes, dtype_name):
+        import cupy
+        with like.device:
+            n = _workspace_size(op, sizes, dtype_name)
+            ws = cupy.empty(n, dtype=cupy.uint8) if n > 0 else None
+            return {"stream": cupy.cuda.get_current_stream().ptr, "workspace": ws}
+
+
+# -------------------------------------------------------------------- JAX ----
+
+class JaxFramework(Framework):
+    """JAX arrays are immutable and JAX does not hand out its CUDA stream:
+    outputs are buffers flashqla allocates itself (_C.empty) and passes to
+    JAX through DLPack; inputs are made ready first, the work runs on the
+    legacy default stream and is waited for before JAX sees the outputs."""
+
+    name = "jax"
+
+    def check(self, x, argname):
+        import jax
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                f"{argname}: flashqla works on concrete JAX arrays only, got a tracer "
+                f"({type(x).__name__}); call it outside jax.jit / jax.vmap (jax.grad works)")
+
+    def contiguous(self, x):
+        return x
+
+    def astype(self, x, dtype_name):
+        return x.astype(dtype_name)
+
+    def index_array(self, x, like, argname):
+        import jax
+        import jax.numpy as jnp
+        if not isinstance(x, jax.Array):
+            x = jnp.asarray(_numpy_index(x))
+        dev = next(iter(like.devices()))
+        if next(iter(x.devices())) != dev:
+            x = jax.device_put(x, dev)
+        return x
+
+    def device(self, x):
+        dev = next(iter(x.devices()))
+        if dev.platform == "cpu":
+            return ("cpu", 0)
+        if dev.platform in ("gpu", "cuda"):
+            return ("cuda", int(getattr(dev, "local_hardware_id", dev.id)))
+        raise ValueError(f"flashqla: JAX platform {dev.platform!r} is not supported")
+
+    def empty(self, shape, dtype_name, like):
+        kind, idx = self.device(like)
+        return _C.empty(tuple(int(s) for s in shape), dtype_name, kind, idx)
+
+    def launch(self, op, like, sizes, dtype_name):
+        kind, idx = self.device(like)
+        if kind != "cuda":
+            return {}
+        n = _workspace_size(op, sizes, dtype_name)
+        ws = _C.empty((n,), "uint8", "cuda", idx) if n > 0 else None
+        return {"stream": None, "workspace": ws}
+
+    def before_call(self, arrays):
+        for a in arrays:
+            if a is not None and hasattr(a, "block_until_ready"):
+                a.block_until_ready()
+
+    def after_call(self, like):
+        kind, idx = self.device(like)
+        if kind == "cuda":
+            _C.synchronize(idx)
+
+    def output(self, buf):
+        if buf is None:
+            return None
+        import jax
+        return jax.dlpack.from_dlpack(buf)
+
+
+def _numpy_index(x):
+    import numpy as np
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        if a.size == 0 or all(float(v).is_integer() for v in a.reshape(-1)):
+            a = a.astype(np.int64)
+    return np.ascontiguousarray(a)
+
+
+NUMPY = NumpyFramework()
+TORCH = TorchFramework()
+CUPY = CupyFramework()
+JAX = JaxFramework()
+
+
+def framework_of(x, argname):
+    """The adapter for array x, or TypeError naming the argument."""
+    root = type(x).__module__.split(".")[0]
+    if root == "torch" and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+        return TORCH
+    if root in ("jax", "jaxlib"):
+        return JAX
+    if root == "cupy":
+        return CUPY
+    if root == "numpy" and "numpy" in sys.modules and isinstance(x, sys.modules["numpy"].ndarray):
+        return NUMPY
+    raise TypeError(f"{argname}: expected a NumPy, PyTorch, JAX or CuPy array, "
+                    f"got {type(x).__module__}.{type(x).__name__}")
+
+
+def common_framework(arrays, check=True):
+    """arrays: (name, array-or-None) pairs; all non-None must share one
+    framework. check=False skips the framework's own check (JAX: tracers)."""
+    fw, first = None, None
+    for name, x in arrays:
+        if x is None:
+            continue
+        f = framework_of(x, name)
+        if check:
+            f.check(x, name)
+        if fw is None:
+            fw, first = f, name
+        elif f is not fw:
+            raise TypeError(f"{name}: is a {f.name} array but {first} is a {fw.name} array; "
+                            f"pass arrays of one framework")
+    return fw

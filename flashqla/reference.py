@@ -1,0 +1,233 @@
+"""flashqla.reference — the float64 NumPy reference of the gated delta rule.
+
+This is the plain token-by-token recurrence of DESIGN.md §1 and its
+hand-written reverse mode (backpropagation through time). It shares no code
+with the chunked algorithm (DESIGN §2) that the C and CUDA backends run, so
+the tests can compare the two. Slow on purpose: a Python loop over tokens,
+vectorised over value heads only. Everything is computed in float64.
+
+Per sequence and value head j (q/k head h = j // (HV/H)), tokens t = 1..T:
+
+    a_t  = exp(g_t)
+    Sd_t = a_t S_{t-1}                   the decayed state
+    p_t  = Sd_tᵀ k_t                     what the state predicts for k_t
+    u_t  = β_t (v_t − p_t)
+    S_t  = Sd_t + k_t u_tᵀ
+    o_t  = scale · S_tᵀ q_t
+
+With use_qk_l2norm, q and k are first replaced by x / sqrt(Σ x² + 1e-6) per
+head vector (the form FLA uses), gradients included.
+
+Layouts as in csrc/gdn.h: q, k [B,T,H,K]; v [B,T,HV,V]; g, beta [B,T,HV];
+states [N,HV,K,V]; cu_seqlens [N+1] (B == 1 then).
+"""
+
+import numpy as np
+
+L2NORM_EPS = 1e-6
+CHECKPOINT_EVERY = 64  # the backward stores every 64th state and recomputes between
+
+__all__ = ["forward", "backward", "recurrent", "l2norm", "L2NORM_EPS"]
+
+
+def _f64(x):
+    return None if x is None else np.array(x, dtype=np.float64, copy=True)
+
+
+def _shapes(q, k, v, g, beta):
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q, k: expected equal shapes [B,T,H,K], got {q.shape} and {k.shape}")
+    B, T, H, K = q.shape
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v: expected shape [B,T,HV,V] with B={B} T={T}, got {v.shape}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"v: HV={HV} is not a multiple of H={H}")
+    if g.shape != (B, T, HV) or beta.shape != (B, T, HV):
+        raise ValueError(f"g, beta: expected shape {(B, T, HV)}, got {g.shape} and {beta.shape}")
+    return B, T, H, HV, K, V
+
+
+def _sequences(B, T, cu_seqlens):
+    """Yields (n, b, start, end): sequence n is rows start..end-1 of batch row b."""
+    if cu_seqlens is None:
+        for b in range(B):
+            yield b, b, 0, T
+        return
+    cu = [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
+    if B != 1 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens: bad offsets {cu} for B={B}, T={T}")
+    for n in range(len(cu) - 1):
+        yield n, 0, cu[n], cu[n + 1]
+
+
+def _num_sequences(B, cu_seqlens):
+    return B if cu_seqlens is None else int(np.asarray(cu_seqlens).size) - 1
+
+
+def l2norm(x):
+    """y = x / sqrt(Σ x² + eps) over the last axis; returns (y, r) with r = 1/sqrt(...)."""
+    r = 1.0 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+    return x * r, r
+
+
+def _l2norm_backward(x, r, dy):
+    # forward: y = x r, r = (Σ x² + eps)^(-1/2)  =>  dx = r dy − r³ (x·dy) x
+    return r * dy - r ** 3 * np.sum(x * dy, axis=-1, keepdims=True) * x
+
+
+def _expand_heads(x, HV):
+    """[L, H, K] -> [L, HV, K]: value head j reads q/k head j // (HV/H)."""
+    return np.repeat(x, HV // x.shape[1], axis=1)
+
+
+def _group_sum(dx, H):
+    """[L, HV, K] -> [L, H, K]: the transpose of _expand_heads."""
+    L, HV, K = dx.shape
+    return dx.reshape(L, H, HV // H, K).sum(axis=2)
+
+
+def _step(S, q, k, v, g, beta, scale):
+    """One token for all value heads. S [HV,K,V]; q,k [HV,K]; v [HV,V]; g,beta [HV]."""
+    a = np.exp(g)
+    Sd = a[:, None, None] * S
+    p = np.einsum("hkv,hk->hv", Sd, k)
+    u = beta[:, None] * (v - p)
+    S_new = Sd + k[:, :, None] * u[:, None, :]
+    o = scale * np.einsum("hkv,hk->hv", S_new, q)
+    return S_new, o, (a, Sd, p, u)
+
+
+def _sequence_forward(q, k, v, g, beta, S0, scale, checkpoints=None):
+    """q,k [L,HV,K] (heads expanded), v [L,HV,V], g,beta [L,HV], S0 [HV,K,V]."""
+    L = q.shape[0]
+    o = np.zeros(v.shape, dtype=np.float64)
+    S = S0.copy()
+    for t in range(L):
+        if checkpoints is not None and t % CHECKPOINT_EVERY == 0:
+            checkpoints.append(S.copy())
+        S, o[t], _ = _step(S, q[t], k[t], v[t], g[t], beta[t], scale)
+    return o, S
+
+
+def _sequence_backward(q, k, v, g, beta, S0, scale, do, dST):
+    """Reverse mode of _sequence_forward; returns dq, dk (per value head), dv,
+    dg, dbeta, dS0."""
+    L = q.shape[0]
+    checkpoints = []
+    _sequence_forward(q, k, v, g, beta, S0, scale, checkpoints)
+    dq = np.zeros(q.shape)
+    dk = np.zeros(k.shape)
+    dv = np.zeros(v.shape)
+    dg = np.zeros(g.shape)
+    dbeta = np.zeros(beta.shape)
+    dS = dST.copy()  # dL/dS_t, carried from the last token back to the first
+    for seg in reversed(range(len(checkpoints))):
+        start = seg * CHECKPOINT_EVERY
+        end = min(L, start + CHECKPOINT_EVERY)
+        # recompute the states S_{t-1} of this segment from its checkpoint
+        prev = [checkpoints[seg]]
+        for t in range(start, end - 1):
+            prev.append(_step(prev[-1], q[t], k[t], v[t], g[t], beta[t], scale)[0])
+        for t in reversed(range(start, end)):
+            S_prev = prev[t - start]
+            S_t, _, (a, Sd, p, u) = _step(S_prev, q[t], k[t], v[t], g[t], beta[t], scale)
+            # forward: o_t = scale S_tᵀ q_t
+            dS = dS + scale * q[t][:, :, None] * do[t][:, None, :]
+            dq[t] = scale * np.einsum("hkv,hv->hk", S_t, do[t])
+            # forward: S_t = Sd_t + k_t u_tᵀ
+            dSd = dS.copy()
+            dk[t] = np.einsum("hkv,hv->hk", dS, u)
+            du = np.einsum("hkv,hk->hv", dS, k[t])
+            # forward: u_t = β_t (v_t − p_t)
+            dbeta[t] = np.sum(du * (v[t] - p), axis=-1)
+            dv[t] = beta[t][:, None] * du
+            dp = -beta[t][:, None] * du
+            # forward: p_t = Sd_tᵀ k_t
+            dSd += k[t][:, :, None] * dp[:, None, :]
+            dk[t] += np.einsum("hkv,hv->hk", Sd, dp)
+            # forward: Sd_t = a_t S_{t-1}, a_t = exp(g_t)
+            dg[t] = a * np.sum(dSd * S_prev, axis=(1, 2))
+            dS = a[:, None, None] * dSd
+    return dq, dk, dv, dg, dbeta, dS
+
+
+def _prepare(q, k, use_qk_l2norm):
+    if not use_qk_l2norm:
+        return q, k, None, None
+    qn, rq = l2norm(q)
+    kn, rk = l2norm(k)
+    return qn, kn, rq, rk
+
+
+def forward(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+            use_qk_l2norm=False):
+    """Returns (o [B,T,HV,V], final_state [N,HV,K,V]), both float64."""
+    q, k, v, g, beta = (_f64(x) for x in (q, k, v, g, beta))
+    B, T, H, HV, K, V = _shapes(q, k, v, g, beta)
+    scale = K ** -0.5 if scale is None else float(scale)
+    N = _num_sequences(B, cu_seqlens)
+    h0 = np.zeros((N, HV, K, V)) if initial_state is None else _f64(initial_state)
+    qn, kn, _, _ = _prepare(q, k, use_qk_l2norm)
+    o = np.zeros((B, T, HV, V))
+    ht = np.zeros((N, HV, K, V))
+    for n, b, s, e in _sequences(B, T, cu_seqlens):
+        o[b, s:e], ht[n] = _sequence_forward(
+            _expand_heads(qn[b, s:e], HV), _expand_heads(kn[b, s:e], HV), v[b, s:e],
+            g[b, s:e], beta[b, s:e], h0[n], scale)
+    return o, ht
+
+
+def backward(q, k, v, g, beta, do, *, dfinal_state=None, scale=None, initial_state=None,
+             cu_seqlens=None, use_qk_l2norm=False):
+    """Gradients of L = <o, do> + <final_state, dfinal_state> with respect to
+    (q, k, v, g, beta, initial_state), float64. dq, dk are summed over each GVA
+    head group and taken through the l2norm when use_qk_l2norm is set. The
+    last entry is the gradient of the initial state (of the zero state when
+    none is given)."""
+    q, k, v, g, beta, do = (_f64(x) for x in (q, k, v, g, beta, do))
+    B, T, H, HV, K, V = _shapes(q, k, v, g, beta)
+    scale = K ** -0.5 if scale is None else float(scale)
+    N = _num_sequences(B, cu_seqlens)
+    h0 = np.zeros((N, HV, K, V)) if initial_state is None else _f64(initial_state)
+    dht = np.zeros((N, HV, K, V)) if dfinal_state is None else _f64(dfinal_state)
+    qn, kn, rq, rk = _prepare(q, k, use_qk_l2norm)
+    dq = np.zeros(q.shape)
+    dk = np.zeros(k.shape)
+    dv = np.zeros(v.shape)
+    dg = np.zeros(g.shape)
+    dbeta = np.zeros(beta.shape)
+    dh0 = np.zeros(h0.shape)
+    for n, b, s, e in _sequences(B, T, cu_seqlens):
+        dqj, dkj, dv[b, s:e], dg[b, s:e], dbeta[b, s:e], dh0[n] = _sequence_backward(
+            _expand_heads(qn[b, s:e], HV), _expand_heads(kn[b, s:e], HV), v[b, s:e],
+            g[b, s:e], beta[b, s:e], h0[n], scale, do[b, s:e], dht[n])
+        dq[b, s:e] = _group_sum(dqj, H)
+        dk[b, s:e] = _group_sum(dkj, H)
+    if use_qk_l2norm:
+        dq = _l2norm_backward(q, rq, dq)
+        dk = _l2norm_backward(k, rk, dk)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seqlens=None,
+              use_qk_l2norm=False):
+    """The recurrent step against a state pool [P,HV,K,V]: sequence n starts
+    from slot state_indices[n] (n without indices) and writes its final state
+    back there; a negative slot is padding (o rows 0, pool untouched). Returns
+    (o, new_pool) and leaves `state` unchanged."""
+    pool = _f64(state)
+    q_ = np.asarray(q)
+    B, T = q_.shape[:2]
+    N = _num_sequences(B, cu_seqlens)
+    slots = list(range(N)) if state_indices is None else \
+        [int(s) for s in np.asarray(state_indices).reshape(-1)]
+    h0 = np.stack([pool[s] if s >= 0 else np.zeros(pool.shape[1:]) for s in slots])
+    o, ht = forward(q, k, v, g, beta, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
+                    use_qk_l2norm=use_qk_l2norm)
+    for n, b, s, e in _sequences(B, T, cu_seqlens):
+        if slots[n] < 0:
+            o[b, s:e] = 0.0
+        else:
+            pool[slots[n]] = ht[n]
+    return o, pool
