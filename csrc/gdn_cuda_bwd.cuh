@@ -1,0 +1,103 @@
+/*
+ * gdn_cuda_bwd.cuh — what the CUDA backward's files share (internal): the
+ * argument block of the backward kernels, small shared-memory helpers, and the
+ * launchers of the fused second version (gdn_cuda_bwd_fused.cu) called by the
+ * host code in gdn_cuda_bwd.cu. Include only from csrc/gdn_cuda_bwd*.cu.
+ */
+#ifndef FQ_GDN_CUDA_BWD_CUH
+#define FQ_GDN_CUDA_BWD_CUH
+
+#include "gdn_cuda_common.cuh"
+
+/* ------------------------------------------------------- small helpers ---- */
+
+static __device__ __forceinline__ float fq_bf(fq_bf16 x) { return __bfloat162float(x); }
+
+/* rows x D bf16, global row r at src + r * stride (16-byte aligned), rows >=
+ * len zero-filled, by cp.async: every load of the block in flight at once.
+ * The caller commits and waits. */
+template <int D>
+static __device__ __forceinline__ void fq_async_rows(fq_bf16 *dst, int ld, const fq_bf16 *src,
+                                                     int64_t stride, int rows, int len)
+{
+    for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
+        const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+        const bool ok = r < len;
+        fq_cp_async16(dst + r * ld + c, src + (ok ? r * stride + c : 0), ok ? 16 : 0);
+    }
+}
+
+/* In place: row r of a 64 x D bf16 tile times rs[r]. */
+template <int D>
+static __device__ __forceinline__ void fq_scale_rows(fq_bf16 *t, int ld, const float *rs)
+{
+    for (int idx = threadIdx.x; idx < 64 * (D / 8); idx += blockDim.x) {
+        const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+        const float f = rs[r];
+        uint4 *pp = (uint4 *)(t + r * ld + c);
+        uint4 x = *pp;
+        uint32_t *xs = (uint32_t *)&x;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float2 f2 = fq_unpack_bf16(xs[q]);
+            xs[q] = fq_pack_bf16(f2.x * f, f2.y * f);
+        }
+        *pp = x;
+    }
+}
+
+/* Row dot products of two 64 x D tiles (4 threads per row, 256 threads):
+ * returns sum_c f(r, c) on every lane of the row's quad, r = threadIdx.x / 4. */
+template <int D, class F>
+static __device__ __forceinline__ float fq_rowdot(F f)
+{
+    const int r = threadIdx.x >> 2, q = threadIdx.x & 3;
+    float s = 0.f;
+#pragma unroll 8
+    for (int c = q; c < D; c += 4) s += f(r, c);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    return s;
+}
+
+/* ------------------------------------------------------------ arguments ---- */
+
+struct fq_bwd_args {
+    const fq_chunk_info *chunks;
+    const fq_seq_info *seqs;
+    const fq_bf16 *qb, *kb, *vb;
+    const float *rq, *rk;
+    const float *gamma, *kdecay;
+    const fq_bf16 *w, *h, *vn, *a;
+    fq_bf16 *dvl;      /* [nc, HV, 64, V]: dv_local (step 3), then dVn (step 4) */
+    fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4) */
+    float *dgam;       /* [nc, HV, 64] dgamma of step 3                          */
+    float *dqp, *dkp;  /* [B*T, HV, K] per-value-head dq, dk                     */
+    const void *q, *k, *beta, *dout;
+    const float *dht;
+    void *dq, *dk, *dv, *dg, *dbeta;
+    float *dh0;
+    fq_dtype dt, gdt;
+    int dout_async;    /* dout is bf16 and 16-byte aligned: cp.async rows */
+    int dko_group;     /* 1: dkp holds bwd_local's dK_O summed over the GVA group
+                          in the slot of the group's first value head (version 3) */
+    int H, HV;
+    float scale;
+};
+
+/* Fused bwd_wy (version 2, gdn_cuda_bwd_fused.cu): one block per (chunk, q/k
+ * head) looping over the head's GVA group; also finishes dk (GVA sum of the
+ * dK_O partials in a.dkp, L2-norm backward) so the dk half of bwd_qk_reduce
+ * disappears. nc: chunk-table bound (grid x). */
+/* Fused bwd_local (versions 3-5): one block per (chunk, q/k head) looping over
+ * the GVA group; dq finished in the block (GVA sum + L2-norm backward), dK_O
+ * summed over the group (a.dko_group = 1 for bwd_wy2). split_h (version 5):
+ * the chunk-start state is loaded as a second cp.async group, waited for only
+ * before dO S^T. */
+fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, int split_h,
+                               cudaStream_t stream);
+/* Reverse state pass with dS in registers (version 5); grid (N, HV, V / 32). */
+fq_status fq_bwd_state2_launch(const fq_gdn_params *p, const fq_bwd_args &a, cudaStream_t stream);
+fq_status fq_bwd_wy2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
+
+#endif /* FQ_GDN_CUDA_BWD_CUH */

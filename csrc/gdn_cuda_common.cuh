@@ -1,0 +1,295 @@
+/*
+ * gdn_cuda_common.cuh — what the CUDA forward, backward and recurrent files
+ * share: the error-check macro, dtype load/store helpers, the bf16 tensor-core
+ * wrappers (mma.sync m16n8k16 + ldmatrix + cp.async, all sm_80 PTX so the
+ * compute_80 fallback build runs the same code), the varlen chunk table, and
+ * the forward stage launchers with their workspace layout (the backward calls
+ * them to recompute W, U, the chunk-start states h and Vn).
+ *
+ * Forward (DESIGN §2, C = 64), one launcher per stage, in algorithm order:
+ *
+ *   fq_cuda_fwd_prepare  chunk table from cu_seqlens (device memory, no host
+ *                        sync; invalid contents set ws->flags[0]), bf16 copies
+ *                        of q/k/v when dtype != bf16, inverse L2 norms of q/k
+ *   fq_cuda_fwd_wy       stage A, per (chunk, value head):
+ *                          gamma = cumsum(g); L = strict_lower(diag(beta)(K K^T ⊙ Gamma))
+ *                          A = (I + L)^-1;  W = A diag(beta e^gamma) K;  U = A diag(beta) V
+ *   fq_cuda_fwd_state    stage B, per (sequence, value head, BV state columns):
+ *                          h_c = S;  Vn = U - W S;  S = e^{gamma_C} S + K^T diag(e^{gamma_C - gamma}) Vn
+ *   fq_cuda_fwd_output   stage C, per (chunk, value head):
+ *                          O = scale (diag(e^gamma) Q S + lower_incl(Q K^T ⊙ Gamma) Vn)
+ *   fq_cuda_fwd_poison   o, ht <- NaN when ws->flags[0] says cu_seqlens was invalid
+ *
+ * With use_qk_l2norm the normalisation is never materialised: q = rq * q_raw,
+ * k = rk * k_raw with per-token scalars rq, rk (ws->rq, ws->rk) folded into the
+ * per-row factors of each stage.
+ *
+ * Include only from .cu files (C++17, nvcc).
+ */
+#ifndef FQ_GDN_CUDA_COMMON_CUH
+#define FQ_GDN_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "gdn.h"
+
+/* ------------------------------------------------------------ errors ---- */
+
+/* The one error check: a failed CUDA call returns FQ_ERR_CUDA with the CUDA
+ * error text (never exits). Use inside functions returning fq_status. */
+#define FQ_CUDA_CHECK(call)                                                       \
+    do {                                                                          \
+        cudaError_t fq_cuda_e_ = (call);                                          \
+        if (fq_cuda_e_ != cudaSuccess)                                            \
+            return fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__,          \
+                           cudaGetErrorString(fq_cuda_e_));                       \
+    } while (0)
+/* After every kernel launch. */
+#define FQ_CUDA_CHECK_LAUNCH() FQ_CUDA_CHECK(cudaGetLastError())
+
+#define FQ_CHUNK 64 /* chunk size C */
+
+typedef __nv_bfloat16 fq_bf16;
+
+/* ------------------------------------------------ dtype load / store ---- */
+
+/* Element i of an array of dtype dt, as float (dt is uniform across a warp, so
+ * the switch costs no divergence). */
+static __device__ __forceinline__ float fq_ld_f(const void *p, fq_dtype dt, int64_t i)
+{
+    switch (dt) {
+    case FQ_F32: return ((const float *)p)[i];
+    case FQ_F16: return __half2float(((const __half *)p)[i]);
+    case FQ_BF16: return __bfloat162float(((const fq_bf16 *)p)[i]);
+    default: return (float)((const double *)p)[i];
+    }
+}
+
+static __device__ __forceinline__ void fq_st_f(void *p, fq_dtype dt, int64_t i, float x)
+{
+    switch (dt) {
+    case FQ_F32: ((float *)p)[i] = x; break;
+    case FQ_F16: ((__half *)p)[i] = __float2half_rn(x); break;
+    case FQ_BF16: ((fq_bf16 *)p)[i] = __float2bfloat16_rn(x); break;
+    default: ((double *)p)[i] = (double)x; break;
+    }
+}
+
+/* Two consecutive elements i, i+1 (i even, array aligned): one 4/8-byte store. */
+static __device__ __forceinline__ void fq_st_f2(void *p, fq_dtype dt, int64_t i, float x, float y)
+{
+    switch (dt) {
+    case FQ_F32: *(float2 *)((float *)p + i) = make_float2(x, y); break;
+    case FQ_F16: *(__half2 *)((__half *)p + i) = __floats2half2_rn(x, y); break;
+    case FQ_BF16: *(__nv_bfloat162 *)((fq_bf16 *)p + i) = __floats2bfloat162_rn(x, y); break;
+    default: ((double *)p)[i] = (double)x; ((double *)p)[i + 1] = (double)y; break;
+    }
+}
+
+/* Two floats -> packed bf16x2 (x in the low half, as mma operands expect). */
+static __device__ __forceinline__ uint32_t fq_pack_bf16(float x, float y)
+{
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *(uint32_t *)&v;
+}
+
+static __device__ __forceinline__ float2 fq_unpack_bf16(uint32_t u)
+{
+    __nv_bfloat162 v = *(__nv_bfloat162 *)&u;
+    return __bfloat1622float2(v);
+}
+
+/* --------------------------------------------- tensor cores (sm_80) ---- */
+
+static __device__ __forceinline__ uint32_t fq_smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* d += a * b, m16n8k16, bf16 inputs, fp32 accumulators. Fragments (PTX ISA):
+ * g = lane / 4, t = lane % 4;
+ *   a[0] = A[g][2t..2t+1]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
+ *   b[0] = B[2t..2t+1][g]  b[1] = B[2t+8..][g]
+ *   d[0..1] = D[g][2t..2t+1]  d[2..3] = D[g+8][2t..2t+1]                      */
+static __device__ __forceinline__ void fq_mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void fq_ldsm_x4(uint32_t r[4], uint32_t addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+static __device__ __forceinline__ void fq_ldsm_x4_trans(uint32_t r[4], uint32_t addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+/* Fragment loads from bf16 shared-memory tiles with row stride ld (elements,
+ * ld * 2 a multiple of 16 bytes; pad rows by 8 elements against bank
+ * conflicts). All 32 lanes call them. */
+
+/* A (16x16 at m0, k0) of a tile stored [m][k]. */
+static __device__ __forceinline__ void fq_frag_a(uint32_t a[4], const fq_bf16 *s, int ld, int m0, int k0)
+{
+    int l = threadIdx.x & 31;
+    int row = m0 + (l & 7) + ((l >> 3) & 1) * 8, col = k0 + (l >> 4) * 8;
+    fq_ldsm_x4(a, fq_smem_u32(s + row * ld + col));
+}
+
+/* A (16x16 at m0, k0) of a tile stored transposed, [k][m]. */
+static __device__ __forceinline__ void fq_frag_a_trans(uint32_t a[4], const fq_bf16 *s, int ld, int m0, int k0)
+{
+    int l = threadIdx.x & 31, mi = l >> 3;
+    int row = k0 + (l & 7) + (mi >> 1) * 8, col = m0 + (mi & 1) * 8;
+    fq_ldsm_x4_trans(a, fq_smem_u32(s + row * ld + col));
+}
+
+/* B for two n8 tiles (k0..k0+15, n0..n0+15) of a tile stored [n][k]:
+ * b[0], b[1] for columns n0..n0+7, b[2], b[3] for n0+8..n0+15. */
+static __device__ __forceinline__ void fq_frag_b_nk(uint32_t b[4], const fq_bf16 *s, int ld, int n0, int k0)
+{
+    int l = threadIdx.x & 31;
+    int row = n0 + (l & 7) + (l >> 4) * 8, col = k0 + ((l >> 3) & 1) * 8;
+    fq_ldsm_x4(b, fq_smem_u32(s + row * ld + col));
+}
+
+/* The same from a tile stored [k][n]. */
+static __device__ __forceinline__ void fq_frag_b_kn(uint32_t b[4], const fq_bf16 *s, int ld, int k0, int n0)
+{
+    int l = threadIdx.x & 31;
+    int row = k0 + (l & 7) + ((l >> 3) & 1) * 8, col = n0 + (l >> 4) * 8;
+    fq_ldsm_x4_trans(b, fq_smem_u32(s + row * ld + col));
+}
+
+/* 16-byte asynchronous copy global -> shared; src_bytes = 0 zero-fills (the
+ * source address must still be a valid pointer). */
+static __device__ __forceinline__ void fq_cp_async16(void *dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(fq_smem_u32(dst)), "l"(src), "r"(src_bytes));
+}
+static __device__ __forceinline__ void fq_cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N> static __device__ __forceinline__ void fq_cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+/* ----------------------------------------------------- chunk table ---- */
+
+/* One entry per chunk (grid bound nc_max; entries past the real count have
+ * seq = -1 and blocks for them exit). Rows are global token rows: the element
+ * (row, head) of q is q[(row * H + head) * K + i] for both layouts. */
+typedef struct fq_chunk_info {
+    int seq;    /* sequence n, or -1: no chunk here                          */
+    int row0;   /* global row of the chunk's first token                     */
+    int len;    /* tokens in the chunk, 1..64                                */
+    int local;  /* chunk number inside its sequence                          */
+} fq_chunk_info;
+
+typedef struct fq_seq_info {
+    int bos;     /* global row of the first token                            */
+    int len;     /* tokens                                                   */
+    int chunk0;  /* global index of its first chunk                          */
+    int nchunks; /* ceil(len / 64); 0 for an empty sequence                  */
+} fq_seq_info;
+
+/* ------------------------------------------- forward workspace layout ---- */
+
+/* Pointers into the caller's workspace (each region 256-byte aligned).
+ * Per-chunk arrays are indexed by the global chunk index c < nc_max and the
+ * value head j; padding rows (row >= len in the last chunk of a sequence) are
+ * written as zeros (w, u, vn, kdecay) and gamma[r] = gamma[len-1] there. */
+typedef struct fq_fwd_ws {
+    int64_t nc_max;          /* ceil(T/64) + N when B == 1, else B*ceil(T/64)  */
+    fq_chunk_info *chunks;   /* [nc_max]                                      */
+    fq_seq_info *seqs;       /* [N]                                           */
+    int *flags;              /* [0]: cu_seqlens invalid, [1]: real chunk count */
+    float *rq, *rk;          /* [B*T, H] inverse L2 norms; NULL without l2norm */
+    const fq_bf16 *qb, *kb, *vb; /* bf16 q, k, v: the inputs when dtype == bf16,
+                                    else copies in the workspace          */
+    float *gamma;            /* [nc_max, HV, 64] chunk-local cumsum of g       */
+    float *kdecay;           /* [nc_max, HV, 64] e^{gamma_C - gamma_r} * rk_r   */
+    fq_bf16 *w;              /* [nc_max, HV, 64, K]  W = A diag(beta e^gamma) k */
+    fq_bf16 *u;              /* [nc_max, HV, 64, V]  U = A diag(beta) v        */
+    fq_bf16 *h;              /* [nc_max, HV, K, V]   chunk-start states         */
+    fq_bf16 *vn;             /* [nc_max, HV, 64, V]  Vn = U - W h              */
+    fq_bf16 *a;              /* [nc_max, HV, 64, 64] A = (I+L)^-1, written by
+                                fq_cuda_fwd_wy only when non-NULL; the forward
+                                leaves it NULL (for the backward's use)     */
+} fq_fwd_ws;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Lays the forward workspace out from `base` (NULL: sizes only) and returns
+ * its size in bytes (a multiple of 256). ws->a is set to NULL. Depends only
+ * on the sizes and dtype of p. */
+size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
+
+/* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}; dtype not
+ * F64). Returns FQ_OK or a failure with the message set. */
+fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
+
+/* The stages; each launches on `stream` (device already set), checks its
+ * launches, never synchronises. */
+fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* Stage B: writes ws->h, ws->vn and, when ht != NULL, ht [N, HV, K, V] fp32.
+ * bv: state columns per block; v1: 16 or 32, v2: 16, 32 or 64 (16 per warp);
+ * 0 picks by occupancy (always valid). */
+fq_status fq_cuda_fwd_state(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                            cudaStream_t stream);
+
+/* Two implementations of stages A, B and C: v1 (the step-1 kernels, verified
+ * on the H200) and v2 (A: blocked A = (I+L)^-1; B: S^T held as mma
+ * accumulators, one warp (or warp pair) per 16 state columns; C: 8 warps, two
+ * cp.async groups). fq_cuda_fwd_wy, fq_cuda_fwd_state and fq_cuda_fwd_output
+ * dispatch on fq_cuda_fwd_use_v1(): the compile-time
+ * default FQ_CUDA_FWD_DEFAULT_V1 (gdn_cuda_fwd.cu), overridden by the
+ * environment variable FLASHQLA_CUDA_FWD_V1=1|0 (read once), overridden by
+ * fq_cuda_fwd_set_v1(0|1) (test drivers; -1 returns to default/environment).
+ * Both write the same workspace regions with the same layout. */
+int fq_cuda_fwd_use_v1(void);
+void fq_cuda_fwd_set_v1(int v1);
+fq_status fq_cuda_fwd_wy_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                               cudaStream_t stream);
+fq_status fq_cuda_fwd_state_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                               cudaStream_t stream);
+fq_status fq_cuda_fwd_output_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_output_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* v2 with the K-split chosen too: ksplit 1 (one warp per 16 state columns)
+ * or 2 (two warps, K/2 state rows each); 0 picks. */
+fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                                int ksplit, cudaStream_t stream);
+fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* Fills o (p->o, p->dtype) and ht (if non-NULL) with NaN when ws->flags[0] is
+ * set (invalid cu_seqlens); otherwise does nothing. Other outputs (the
+ * backward's) can be poisoned with fq_cuda_poison_if_invalid. */
+fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, cudaStream_t stream);
+fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int64_t n, cudaStream_t stream);
+
+/* Raises a kernel's dynamic shared-memory limit (idempotent, cheap after the
+ * first call per device). */
+fq_status fq_cuda_set_smem(const void *kernel, int bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FQ_GDN_CUDA_COMMON_CUH */

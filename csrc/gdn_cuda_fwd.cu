@@ -1,0 +1,382 @@
+/*
+ * gdn_cuda_fwd.cu — the CUDA chunked forward (DESIGN §2, C = 64): the entry
+ * points of gdn.h, the workspace layout, and the small stages around the three
+ * main ones (chunk table, bf16 copies and L2 norms, NaN poisoning). The main
+ * stages live in gdn_cuda_fwd_wy.cu (A), gdn_cuda_fwd_state.cu (B) and
+ * gdn_cuda_fwd_output.cu (C); gdn_cuda_common.cuh describes them.
+ */
+#include "gdn_cuda_common.cuh"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------ smem attribute ---- */
+
+/* cudaFuncSetAttribute once per (kernel, device); the table is tiny and a
+ * repeated call is harmless, so a lost race costs nothing. */
+extern "C" fq_status fq_cuda_set_smem(const void *kernel, int bytes)
+{
+    static const void *done_kernel[128];
+    static int done_dev[128];
+    static int done_bytes[128];
+    int dev = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    for (int i = 0; i < 128; i++)
+        if (done_kernel[i] == kernel && done_dev[i] == dev && done_bytes[i] >= bytes) return FQ_OK;
+    if (bytes > 48 * 1024)
+        FQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    for (int i = 0; i < 128; i++) {
+        if (done_kernel[i] == NULL || (done_kernel[i] == kernel && done_dev[i] == dev)) {
+            done_kernel[i] = kernel;
+            done_dev[i] = dev;
+            done_bytes[i] = bytes;
+            break;
+        }
+    }
+    return FQ_OK;
+}
+
+/* ---------------------------------------------------- variant switch ---- */
+
+/* 1: stages A and B run the step-1 (v1) kernels unless FLASHQLA_CUDA_FWD_V1=0;
+ * 0: the v2 kernels unless FLASHQLA_CUDA_FWD_V1=1. */
+#ifndef FQ_CUDA_FWD_DEFAULT_V1
+#define FQ_CUDA_FWD_DEFAULT_V1 0
+#endif
+
+static volatile int fq_fwd_v1_flag = -1; /* -1: not decided yet */
+
+extern "C" int fq_cuda_fwd_use_v1(void)
+{
+    int v = fq_fwd_v1_flag;
+    if (v < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_FWD_V1");
+        v = (e && e[0]) ? (atoi(e) != 0) : FQ_CUDA_FWD_DEFAULT_V1;
+        fq_fwd_v1_flag = v; /* every thread computes the same value */
+    }
+    return v;
+}
+
+extern "C" void fq_cuda_fwd_set_v1(int v1)
+{
+    fq_fwd_v1_flag = v1 < 0 ? -1 : (v1 != 0);
+}
+
+/* ---------------------------------------------------- workspace layout ---- */
+
+static size_t fq_align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+/* Carves `bytes` from the running offset; returns the pointer (NULL base:
+ * NULL). */
+static void *fq_carve(char *base, size_t *off, size_t bytes)
+{
+    void *p = base ? base + *off : NULL;
+    *off += fq_align256(bytes);
+    return p;
+}
+
+extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+{
+    char *base = (char *)base_;
+    fq_fwd_ws tmp;
+    if (!ws) ws = &tmp;
+    memset(ws, 0, sizeof *ws);
+    int64_t B = p->B, T = p->T, H = p->H, HV = p->HV, K = p->K, V = p->V, N = p->N;
+    int64_t nct = (T + FQ_CHUNK - 1) / FQ_CHUNK;
+    /* chunk slots from sizes only (the binding asks for the size without
+     * saying whether cu_seqlens comes): with B == 1 up to ceil(T/64) + N
+     * (every sequence may add one partial chunk), else B * ceil(T/64) */
+    int64_t nc = B == 1 ? nct + N : B * nct;
+    if (nc < 0) nc = 0;
+    if (N < 0) N = 0;
+    ws->nc_max = nc;
+    size_t off = 0;
+    ws->chunks = (fq_chunk_info *)fq_carve(base, &off, (size_t)(nc > 0 ? nc : 1) * sizeof(fq_chunk_info));
+    ws->seqs = (fq_seq_info *)fq_carve(base, &off, (size_t)(N > 0 ? N : 1) * sizeof(fq_seq_info));
+    ws->flags = (int *)fq_carve(base, &off, 16);
+    /* the norms are reserved always (the size may not depend on options) */
+    float *rq = (float *)fq_carve(base, &off, (size_t)(B * T * H) * 4);
+    float *rk = (float *)fq_carve(base, &off, (size_t)(B * T * H) * 4);
+    ws->rq = p->use_qk_l2norm ? rq : NULL;
+    ws->rk = p->use_qk_l2norm ? rk : NULL;
+    /* bf16 copies of q, k, v: reserved unless the inputs are bf16 (read in
+     * place then; fq_cuda_fwd_check_sizes rejects unaligned bf16 pointers) */
+    if (p->dtype != FQ_BF16) {
+        ws->qb = (const fq_bf16 *)fq_carve(base, &off, (size_t)(B * T * H * K) * 2);
+        ws->kb = (const fq_bf16 *)fq_carve(base, &off, (size_t)(B * T * H * K) * 2);
+        ws->vb = (const fq_bf16 *)fq_carve(base, &off, (size_t)(B * T * HV * V) * 2);
+    } else {
+        ws->qb = (const fq_bf16 *)p->q;
+        ws->kb = (const fq_bf16 *)p->k;
+        ws->vb = (const fq_bf16 *)p->v;
+    }
+    ws->gamma = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 4);
+    ws->kdecay = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 4);
+    ws->w = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * K) * 2);
+    ws->u = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * V) * 2);
+    ws->h = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * K * V) * 2);
+    ws->vn = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * V) * 2);
+    ws->a = NULL;
+    return off;
+}
+
+extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
+{
+    if (p->dtype == FQ_F64)
+        return fq_fail(FQ_ERR_TYPE, "q: float64 inputs are CPU-only (the CUDA backend takes "
+                                    "float32, float16 or bfloat16)");
+    if (p->gate_dtype != FQ_F32 && p->gate_dtype != p->dtype)
+        return fq_fail(FQ_ERR_TYPE, "g: expected float32 or %s, got %s", fq_dtype_name(p->dtype),
+                       fq_dtype_name(p->gate_dtype));
+    if (p->state_dtype != FQ_F32)
+        return fq_fail(FQ_ERR_TYPE, "initial_state: the CUDA backend keeps states in float32, got %s",
+                       fq_dtype_name(p->state_dtype));
+    if (p->K != 64 && p->K != 128)
+        return fq_fail(FQ_ERR_VALUE,
+                       "k: the CUDA backend supports head dims K in {64, 128}, got K=%lld",
+                       (long long)p->K);
+    if (p->V != 64 && p->V != 128)
+        return fq_fail(FQ_ERR_VALUE,
+                       "v: the CUDA backend supports head dims V in {64, 128}, got V=%lld",
+                       (long long)p->V);
+    if (p->B * p->T >= ((int64_t)1 << 30) || p->N >= ((int64_t)1 << 30))
+        return fq_fail(FQ_ERR_VALUE, "q: too many tokens for the CUDA backend (B*T=%lld)",
+                       (long long)(p->B * p->T));
+    if (p->dtype == FQ_BF16 &&
+        (((uintptr_t)p->q | (uintptr_t)p->k | (uintptr_t)p->v) & 15))
+        return fq_fail(FQ_ERR_VALUE, "q, k, v: bfloat16 CUDA inputs must be 16-byte aligned");
+    return FQ_OK;
+}
+
+/* -------------------------------------------------------- chunk table ---- */
+
+static __device__ __forceinline__ int64_t fq_ld_index(const void *p, int is64, int64_t i)
+{
+    return is64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+
+/* One block of 1024 threads. Validates cu_seqlens (starts at 0,
+ * non-decreasing, ends at T), writes one fq_seq_info per sequence (chunk0 by a
+ * block-wide exclusive scan of the chunk counts) and one fq_chunk_info per
+ * chunk slot (the owner found by binary search over chunk0). Invalid contents:
+ * flags[0] = 1 and every sequence is treated as empty (nothing is read out of
+ * bounds; fq_cuda_fwd_poison then NaN-fills the outputs). */
+__global__ void __launch_bounds__(1024) fq_chunk_table_kernel(const void *cu, int is64, int N, int T,
+                                                              int nc_max, fq_chunk_info *chunks,
+                                                              fq_seq_info *seqs, int *flags)
+{
+    __shared__ int s_bad, s_carry;
+    __shared__ int s_warp[32];
+    int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nth = blockDim.x;
+    if (tid == 0) { s_bad = 0; s_carry = 0; }
+    __syncthreads();
+    if (cu) {
+        for (int64_t i = tid; i <= N; i += nth) {
+            int64_t c = fq_ld_index(cu, is64, i);
+            int bad = c < 0 || c > T || (i == 0 && c != 0) || (i == N && c != T);
+            if (i > 0 && c < fq_ld_index(cu, is64, i - 1)) bad = 1;
+            if (bad) atomicOr(&s_bad, 1);
+        }
+    }
+    __syncthreads();
+    int bad = s_bad;
+    for (int base = 0; base < N; base += nth) {
+        int i = base + tid;
+        int bos = 0, len = 0;
+        if (i < N) {
+            if (cu) {
+                bos = (int)fq_ld_index(cu, is64, i);
+                len = (int)(fq_ld_index(cu, is64, i + 1) - bos);
+            } else {
+                bos = i * T;
+                len = T;
+            }
+            if (bad) { bos = 0; len = 0; }
+        }
+        int nch = (len + FQ_CHUNK - 1) / FQ_CHUNK;
+        /* inclusive scan: warp, then the warp totals */
+        int x = nch;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) s_warp[wid] = x;
+        __syncthreads();
+        if (wid == 0) {
+            int wv = lane < (nth >> 5) ? s_warp[lane] : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                int y = __shfl_up_sync(0xffffffffu, wv, o);
+                if (lane >= o) wv += y;
+            }
+            s_warp[lane] = wv; /* inclusive over warps */
+        }
+        __syncthreads();
+        int incl = x + (wid > 0 ? s_warp[wid - 1] : 0);
+        int carry = s_carry;
+        if (i < N) {
+            fq_seq_info si;
+            si.bos = bos; si.len = len; si.chunk0 = carry + incl - nch; si.nchunks = nch;
+            seqs[i] = si;
+        }
+        __syncthreads();
+        if (tid == nth - 1) s_carry = carry + incl;
+        __syncthreads();
+    }
+    int total = s_carry;
+    if (tid == 0) { flags[0] = bad; flags[1] = total; }
+    __syncthreads(); /* seqs[] (global) written by this block is visible now */
+    for (int c = tid; c < nc_max; c += nth) {
+        fq_chunk_info ci;
+        ci.seq = -1; ci.row0 = 0; ci.len = 0; ci.local = 0;
+        if (c < total) {
+            int lo = 0, hi = N - 1; /* largest n with chunk0 <= c */
+            while (lo < hi) {
+                int mid = (lo + hi + 1) >> 1;
+                if (seqs[mid].chunk0 <= c) lo = mid; else hi = mid - 1;
+            }
+            fq_seq_info si = seqs[lo];
+            int local = c - si.chunk0;
+            ci.seq = lo;
+            ci.local = local;
+            ci.row0 = si.bos + local * FQ_CHUNK;
+            ci.len = min(FQ_CHUNK, si.len - local * FQ_CHUNK);
+        }
+        chunks[c] = ci;
+    }
+}
+
+/* ------------------------------------------ bf16 copies and L2 norms ---- */
+
+/* One warp per head vector of D elements (rows x heads of them): writes the
+ * bf16 copy (xb != NULL) and the inverse norm 1/sqrt(sum x^2 + 1e-6)
+ * (rnorm != NULL), computed from the input precision in fp32. */
+__global__ void fq_prep_rows_kernel(const void *x, fq_dtype dt, int64_t nvec, int D, fq_bf16 *xb,
+                                    float *rnorm)
+{
+    int64_t vec = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (vec >= nvec) return;
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) {
+        float v = fq_ld_f(x, dt, vec * D + i);
+        ss += v * v;
+        if (xb) xb[vec * D + i] = __float2bfloat16_rn(v);
+    }
+    if (rnorm) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) rnorm[vec] = 1.0f / sqrtf(ss + 1e-6f);
+    }
+}
+
+static fq_status fq_launch_prep_rows(const void *x, fq_dtype dt, int64_t nvec, int D, fq_bf16 *xb,
+                                     float *rnorm, cudaStream_t stream)
+{
+    if (nvec <= 0 || (!xb && !rnorm)) return FQ_OK;
+    int64_t blocks = (nvec + 7) / 8;
+    fq_prep_rows_kernel<<<(unsigned)blocks, 256, 0, stream>>>(x, dt, nvec, D, xb, rnorm);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws,
+                                         cudaStream_t stream)
+{
+    fq_chunk_table_kernel<<<1, 1024, 0, stream>>>(p->cu_seqlens, p->cu_seqlens_is_int64, (int)p->N,
+                                                  (int)p->T, (int)ws->nc_max, ws->chunks, ws->seqs,
+                                                  ws->flags);
+    FQ_CUDA_CHECK_LAUNCH();
+    int copy = p->dtype != FQ_BF16;
+    int64_t rows = p->B * p->T;
+    fq_status st;
+    st = fq_launch_prep_rows(p->q, p->dtype, rows * p->H, (int)p->K, copy ? (fq_bf16 *)ws->qb : NULL,
+                             ws->rq, stream);
+    if (st != FQ_OK) return st;
+    st = fq_launch_prep_rows(p->k, p->dtype, rows * p->H, (int)p->K, copy ? (fq_bf16 *)ws->kb : NULL,
+                             ws->rk, stream);
+    if (st != FQ_OK) return st;
+    if (copy) {
+        st = fq_launch_prep_rows(p->v, p->dtype, rows * p->HV, (int)p->V, (fq_bf16 *)ws->vb, NULL,
+                                 stream);
+        if (st != FQ_OK) return st;
+    }
+    return FQ_OK;
+}
+
+/* ------------------------------------------------------------- poison ---- */
+
+__global__ void fq_poison_kernel(const int *flags, void *x, fq_dtype dt, int64_t n)
+{
+    if (flags[0] == 0) return;
+    float nan = __int_as_float(0x7fc00000);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        fq_st_f(x, dt, i, nan);
+}
+
+extern "C" fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int64_t n,
+                                               cudaStream_t stream)
+{
+    if (!x || n <= 0) return FQ_OK;
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 1024) blocks = 1024;
+    fq_poison_kernel<<<(unsigned)blocks, 256, 0, stream>>>(flags, x, dt, n);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht,
+                                        cudaStream_t stream)
+{
+    if (!p->cu_seqlens) return FQ_OK; /* only cu_seqlens contents can be invalid */
+    fq_status st = fq_cuda_poison_if_invalid(ws->flags, p->o, p->dtype, p->B * p->T * p->HV * p->V,
+                                             stream);
+    if (st != FQ_OK) return st;
+    return fq_cuda_poison_if_invalid(ws->flags, ht, FQ_F32, p->N * p->HV * p->K * p->V, stream);
+}
+
+/* -------------------------------------------------------- entry points ---- */
+
+extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
+{
+    return fq_cuda_fwd_ws_layout(p, NULL, NULL);
+}
+
+static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *p)
+{
+    cudaStream_t stream = (cudaStream_t)p->stream;
+    size_t need = fq_cuda_fwd_ws_layout(p, NULL, NULL);
+    if (!p->workspace || p->workspace_bytes < need)
+        return fq_fail(FQ_ERR_VALUE, "workspace: expected at least %zu bytes, got %zu", need,
+                       p->workspace ? p->workspace_bytes : (size_t)0);
+    fq_fwd_ws ws;
+    fq_cuda_fwd_ws_layout(p, p->workspace, &ws);
+    fq_status st;
+    /* 0. chunk table, bf16 copies, inverse norms */
+    if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
+    /* A. gamma, A = (I+L)^-1, W, U per chunk */
+    if ((st = fq_cuda_fwd_wy(p, &ws, stream)) != FQ_OK) return st;
+    /* B. the sequential state pass: h, Vn, final state */
+    if ((st = fq_cuda_fwd_state(p, &ws, (float *)p->ht, 0, stream)) != FQ_OK) return st;
+    /* C. outputs */
+    if ((st = fq_cuda_fwd_output(p, &ws, stream)) != FQ_OK) return st;
+    /* invalid cu_seqlens: NaN outputs */
+    return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, stream);
+}
+
+extern "C" fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p)
+{
+    fq_status st = fq_check_params_device(p, 'f');
+    if (st != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
+    int prev = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != p->device) FQ_CUDA_CHECK(cudaSetDevice(p->device));
+    st = fq_chunk_fwd_on_device(p);
+    if (prev != p->device) {
+        cudaError_t e = cudaSetDevice(prev);
+        if (st == FQ_OK && e != cudaSuccess)
+            st = fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__, cudaGetErrorString(e));
+    }
+    return st;
+}

@@ -1,0 +1,645 @@
+/*
+ * gdn_cuda_fwd_state.cu — forward stage B (DESIGN §2): the sequential state
+ * pass. Two implementations, v1 (fq_fwd_state_kernel, this comment) and v2
+ * (fq_fwd_state2_kernel, described further down); fq_cuda_fwd_state picks by
+ * fq_cuda_fwd_use_v1().
+ *
+ * v1: one block per (sequence n, value head j, slice of BV state columns);
+ * the slice S (K x BV, fp32) lives in the mma accumulators of 4 warps (warp w
+ * owns state rows w*K/4 .. w*K/4 + K/4 - 1). For each chunk c of the sequence:
+ *
+ *     h_c = S                                          (bf16, for stage C / backward)
+ *     Vn  = U - W S                                    (S rounded to bf16 for the mma)
+ *     S   = e^{gamma_C} S + K^T diag(kdecay) Vn        kdecay_r = e^{gamma_C - gamma_r} rk_r
+ *
+ * The next chunks' W, K, U, gamma, kdecay tiles are fetched with cp.async into
+ * an NS-deep ring of buffers (NS = 4 with one block per SM, else 2) while
+ * this chunk computes: the chain is bound by load latency otherwise. S_0 = h0
+ * (zeros when NULL); the last S is the final state ht (fp32).
+ */
+#include "gdn_cuda_common.cuh"
+
+struct fq_state_args {
+    const fq_seq_info *seqs;
+    const fq_bf16 *kb;
+    const float *h0;
+    float *ht;
+    int H, HV;
+    const float *gamma, *kdecay;
+    const fq_bf16 *w, *u;
+    fq_bf16 *h, *vn;
+};
+
+template <int K, int BV, int NS> struct fq_state_smem {
+    static constexpr int LDK = K + 8, LDB = BV + 8;
+    /* one buffer: W, K, U, gamma, kdecay */
+    static constexpr int b_w = 0;
+    static constexpr int b_k = b_w + 64 * LDK * 2;
+    static constexpr int b_u = b_k + 64 * LDK * 2;
+    static constexpr int b_g = b_u + 64 * LDB * 2;
+    static constexpr int b_d = b_g + 64 * 4;
+    static constexpr int buf = b_d + 64 * 4;
+    static constexpr int off_s = NS * buf;                 /* S as bf16, [K][BV] */
+    static constexpr int off_vs = off_s + K * LDB * 2;     /* kdecay ⊙ Vn, [64][BV] */
+    static constexpr int off_vo = off_vs + 64 * LDB * 2;   /* Vn, [64][BV] */
+    static constexpr int bytes = off_vo + 64 * LDB * 2;
+};
+
+template <int K, int BV, int NS>
+__global__ void __launch_bounds__(128) fq_fwd_state_kernel(fq_state_args args, int V)
+{
+    typedef fq_state_smem<K, BV, NS> SM;
+    constexpr int LDK = SM::LDK, LDB = SM::LDB;
+    constexpr int MT = K / 64;  /* m16 tiles of state rows per warp */
+    constexpr int NT = BV / 8;  /* n8 tiles of state columns */
+    extern __shared__ __align__(16) unsigned char smem[];
+    fq_bf16 *Ss = (fq_bf16 *)(smem + SM::off_s);
+    fq_bf16 *VnS = (fq_bf16 *)(smem + SM::off_vs);
+    fq_bf16 *VnO = (fq_bf16 *)(smem + SM::off_vo);
+
+    const int HV = args.HV, nvs = V / BV;
+    const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV, n = blockIdx.x / (nvs * HV);
+    const int v0 = vs * BV, hq = j / (HV / args.H);
+    const fq_seq_info si = args.seqs[n];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+    const int kr0 = warp * (K / 4);
+
+    /* S_0 = h0 slice */
+    float S[MT][NT][4];
+    const int64_t state_off = ((int64_t)n * HV + j) * K * V;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int kr = kr0 + 16 * mt + gq + (e >> 1) * 8, c = v0 + 8 * nt + 2 * tq + (e & 1);
+                S[mt][nt][e] = args.h0 ? args.h0[state_off + (int64_t)kr * V + c] : 0.f;
+            }
+
+    /* async load of chunk lc (local index) into buffer b */
+    auto load_chunk = [&](int lc, int b) {
+        unsigned char *buf = smem + b * SM::buf;
+        const int64_t tile = ((int64_t)(si.chunk0 + lc) * HV + j) * 64;
+        const int row0 = si.bos + lc * 64, len = min(64, si.len - lc * 64);
+        fq_bf16 *Wb = (fq_bf16 *)(buf + SM::b_w), *Kb = (fq_bf16 *)(buf + SM::b_k);
+        fq_bf16 *Ub = (fq_bf16 *)(buf + SM::b_u);
+        for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+            int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+            fq_cp_async16(Wb + r * LDK + c, args.w + (tile + r) * K + c, 16);
+            const fq_bf16 *src = args.kb;
+            int bytes = 0;
+            if (r < len) { src = args.kb + ((int64_t)(row0 + r) * args.H + hq) * K + c; bytes = 16; }
+            fq_cp_async16(Kb + r * LDK + c, src, bytes);
+        }
+        for (int idx = tid; idx < 64 * (BV / 8); idx += 128) {
+            int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
+            fq_cp_async16(Ub + r * LDB + c, args.u + (tile + r) * V + v0 + c, 16);
+        }
+        if (tid < 16) fq_cp_async16(buf + SM::b_g + tid * 16, args.gamma + tile + tid * 4, 16);
+        else if (tid < 32) fq_cp_async16(buf + SM::b_d + (tid - 16) * 16, args.kdecay + tile + (tid - 16) * 4, 16);
+    };
+
+    /* NS-deep pipeline: chunks lc+1 .. lc+NS-1 are in flight while lc computes */
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+        if (s < si.nchunks) load_chunk(s, s);
+        fq_cp_async_commit();
+    }
+
+    for (int lc = 0; lc < si.nchunks; lc++) {
+        const int b = lc % NS;
+        if (lc + NS - 1 < si.nchunks) load_chunk(lc + NS - 1, (lc + NS - 1) % NS);
+        fq_cp_async_commit();
+        fq_cp_async_wait<NS - 1>();
+        /* S -> shared as bf16 (the mma operand, and h_c) */
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                int kr = kr0 + 16 * mt + gq, c = 8 * nt + 2 * tq;
+                *(uint32_t *)(Ss + kr * LDB + c) = fq_pack_bf16(S[mt][nt][0], S[mt][nt][1]);
+                *(uint32_t *)(Ss + (kr + 8) * LDB + c) = fq_pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+            }
+        __syncthreads();
+        const unsigned char *buf = smem + b * SM::buf;
+        const fq_bf16 *Wb = (const fq_bf16 *)(buf + SM::b_w), *Kb = (const fq_bf16 *)(buf + SM::b_k);
+        const fq_bf16 *Ub = (const fq_bf16 *)(buf + SM::b_u);
+        const float *gam = (const float *)(buf + SM::b_g), *kdec = (const float *)(buf + SM::b_d);
+        const int64_t chunk = si.chunk0 + lc;
+        const int64_t tile = (chunk * HV + j) * 64;
+
+        /* h_c out (coalesced 16-byte stores) */
+        {
+            fq_bf16 *hg = args.h + (chunk * HV + j) * K * V + v0;
+            for (int idx = tid; idx < K * (BV / 8); idx += 128) {
+                int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
+                *(uint4 *)(hg + (int64_t)r * V + c) = *(const uint4 *)(Ss + r * LDB + c);
+            }
+        }
+        /* Vn = U - W S: warp w owns chunk rows 16w..16w+15 */
+        {
+            float acc[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < K / 16; kk++) {
+                uint32_t a[4];
+                fq_frag_a(a, Wb, LDK, 16 * warp, 16 * kk);
+#pragma unroll
+                for (int n2 = 0; n2 < NT / 2; n2++) {
+                    uint32_t bb[4];
+                    fq_frag_b_kn(bb, Ss, LDB, 16 * kk, 16 * n2);
+                    fq_mma_bf16(acc[2 * n2], a, bb[0], bb[1]);
+                    fq_mma_bf16(acc[2 * n2 + 1], a, bb[2], bb[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int hr = 0; hr < 2; hr++) {
+                    int r = 16 * warp + gq + 8 * hr, c = 8 * nt + 2 * tq;
+                    float2 uu = fq_unpack_bf16(*(const uint32_t *)(Ub + r * LDB + c));
+                    float x = uu.x - acc[nt][2 * hr], y = uu.y - acc[nt][2 * hr + 1];
+                    float d = kdec[r];
+                    *(uint32_t *)(VnO + r * LDB + c) = fq_pack_bf16(x, y);
+                    *(uint32_t *)(VnS + r * LDB + c) = fq_pack_bf16(d * x, d * y);
+                }
+        }
+        __syncthreads();
+        /* Vn out (coalesced) */
+        {
+            fq_bf16 *vg = args.vn + tile * V + v0;
+            for (int idx = tid; idx < 64 * (BV / 8); idx += 128) {
+                int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
+                *(uint4 *)(vg + (int64_t)r * V + c) = *(const uint4 *)(VnO + r * LDB + c);
+            }
+        }
+        /* S = e^{gamma_C} S + K^T (kdecay ⊙ Vn) */
+        {
+            const float dc = __expf(gam[63]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) S[mt][nt][e] *= dc;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t bb[NT / 2][4];
+#pragma unroll
+                for (int n2 = 0; n2 < NT / 2; n2++) fq_frag_b_kn(bb[n2], VnS, LDB, 16 * kk, 16 * n2);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    uint32_t a[4];
+                    fq_frag_a_trans(a, Kb, LDK, kr0 + 16 * mt, 16 * kk);
+#pragma unroll
+                    for (int n2 = 0; n2 < NT / 2; n2++) {
+                        fq_mma_bf16(S[mt][2 * n2], a, bb[n2][0], bb[n2][1]);
+                        fq_mma_bf16(S[mt][2 * n2 + 1], a, bb[n2][2], bb[n2][3]);
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* buffers b, Ss, VnS, VnO are reused next */
+    }
+    fq_cp_async_wait<0>();
+
+    if (args.ht) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int hr = 0; hr < 2; hr++) {
+                    int kr = kr0 + 16 * mt + gq + 8 * hr, c = v0 + 8 * nt + 2 * tq;
+                    *(float2 *)(args.ht + state_off + (int64_t)kr * V + c) =
+                        make_float2(S[mt][nt][2 * hr], S[mt][nt][2 * hr + 1]);
+                }
+    }
+}
+
+template <int K, int BV, int NS>
+static fq_status fq_launch_state_ns(const fq_state_args &args, int64_t blocks, int V, cudaStream_t stream)
+{
+    int bytes = fq_state_smem<K, BV, NS>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_state_kernel<K, BV, NS>, bytes);
+    if (st != FQ_OK) return st;
+    fq_fwd_state_kernel<K, BV, NS><<<(unsigned)blocks, 128, bytes, stream>>>(args, V);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+/* One block per SM or fewer: a 4-deep pipeline (one block fills the SM's
+ * shared memory, and the chain is load-latency bound); more blocks: 2-deep,
+ * two blocks per SM. */
+template <int K, int BV>
+static fq_status fq_launch_state(const fq_state_args &args, int64_t blocks, int V, int sms,
+                                 cudaStream_t stream)
+{
+    if (blocks <= sms) return fq_launch_state_ns<K, BV, 4>(args, blocks, V, stream);
+    return fq_launch_state_ns<K, BV, 2>(args, blocks, V, stream);
+}
+
+extern "C" fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                                          cudaStream_t stream)
+{
+    if (p->N <= 0) return FQ_OK;
+    int dev = 0, sms = 132;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    if (bv == 0) {
+        /* 32 columns once that gives ~3/4 of the SMs a block (measured on the
+         * H200: 128 blocks of 32 beat 256 of 16; 32 blocks of 32 lose to 64
+         * of 16) */
+        bv = (p->N * p->HV * (p->V / 32) >= (3 * sms) / 4) ? 32 : 16;
+    }
+    if (bv != 16 && bv != 32)
+        return fq_fail(FQ_ERR_INTERNAL, "fq_cuda_fwd_state: bv must be 16 or 32, got %d", bv);
+    fq_state_args args;
+    args.seqs = ws->seqs;
+    args.kb = ws->kb;
+    args.h0 = (const float *)p->h0;
+    args.ht = ht;
+    args.H = (int)p->H;
+    args.HV = (int)p->HV;
+    args.gamma = ws->gamma;
+    args.kdecay = ws->kdecay;
+    args.w = ws->w;
+    args.u = ws->u;
+    args.h = ws->h;
+    args.vn = ws->vn;
+    int V = (int)p->V;
+    int64_t blocks = p->N * p->HV * (V / bv);
+    if (p->K == 128) {
+        if (bv == 32) return fq_launch_state<128, 32>(args, blocks, V, sms, stream);
+        return fq_launch_state<128, 16>(args, blocks, V, sms, stream);
+    }
+    if (p->K == 64) {
+        if (bv == 32) return fq_launch_state<64, 32>(args, blocks, V, sms, stream);
+        return fq_launch_state<64, 16>(args, blocks, V, sms, stream);
+    }
+    return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld",
+                   (long long)p->K);
+}
+
+/* ------------------------------------------------------------------ v2 ----
+ *
+ * v2: one block per (sequence n, value head j, BV = 16*NW state columns).
+ * A group of KS warps (KS = 1 or 2) owns 16 state columns v and holds S^T
+ * (16 x K, fp32) as mma accumulators, warp kh of the group the K/KS rows
+ * k0 = kh*K/KS ..: lane (g = lane/4, t = lane%4) holds
+ * S^T[g (+8)][k0 + 8 nt + 2t (+1)]. That is the A-operand layout of
+ * m16n8k16, so both products of a chunk take their A operand from registers
+ * (v1 went through shared memory with three __syncthreads per chunk):
+ *
+ *     h_c^T = S^T                               bf16, stored as h[K][V] (lane pairs
+ *                                               swap halves to transpose)
+ *     P     = S^T[:, k0..] W^T[k0.., :]         A = S^T (registers), B = W [row][k] (smem)
+ *     Vn^T  = U^T - sum over the group's warps of P    (KS = 2: the two partial
+ *                                               16x64 fp32 P swap through shared memory)
+ *     S^T[:, k0..] = e^{gamma_C} S^T[:, k0..] + (Vn^T diag(kdecay)) K[:, k0..]
+ *                                               A = Vn^T (registers), B = K (smem)
+ *
+ * KS = 2 halves each warp's chain (64 instead of 128 mma per chunk, half the
+ * h stores) for the shapes with few chains, at the cost of one more
+ * __syncthreads per chunk and 8 KB of shared memory per group.
+ * Same roundings as v1 (S and kdecay*Vn rounded to bf16 as mma operands, fp32
+ * accumulation, h and Vn stored as bf16). The block's warps share the chunk's
+ * W and K tiles (each group reads its 16 columns of U) from an NS-deep
+ * cp.async ring; one __syncthreads per chunk for the ring (chunk landed,
+ * previous buffer free).
+ */
+template <int K, int NW, int NS, int KS> struct fq_state2_smem {
+    static constexpr int BV = 16 * NW, LDK = K + 8, LDB = BV + 8;
+    static constexpr int b_w = 0;
+    static constexpr int b_k = b_w + 64 * LDK * 2;
+    static constexpr int b_u = b_k + 64 * LDK * 2;
+    static constexpr int b_g = b_u + 64 * LDB * 2;
+    static constexpr int b_d = b_g + 64 * 4;
+    static constexpr int buf = b_d + 64 * 4;
+    static constexpr int off_x = NS * buf;                       /* KS = 2: P exchange */
+    static constexpr int bytes = off_x + (KS == 2 ? NW * 2 * 16 * 64 * 4 : 0);
+};
+
+/* Transposed bf16 store: w = bf16x2 (X[v][k], X[v][k+1]) of a fragment whose
+ * lane g holds column v = v0 + g goes into out[k][v]: lanes g and g^1 swap
+ * words; even g stores (X[v][k], X[v+1][k]) at row k, odd g stores
+ * (X[v-1][k+1], X[v][k+1]) at row k+1. dst = the lane's address,
+ * out + (k + (g & 1)) * ld + v0 + (g & ~1) (fq_st_t_lane gives the part that
+ * does not depend on the fragment). All 32 lanes must call it; `store`
+ * false: the shuffle only. */
+static __device__ __forceinline__ void fq_st_transposed(fq_bf16 *dst, uint32_t w, int g, bool store = true)
+{
+    uint32_t p = __shfl_xor_sync(0xffffffffu, w, 4); /* always: no shuffle under a branch */
+    uint32_t x = (g & 1) ? __byte_perm(p, w, 0x7632) : __byte_perm(w, p, 0x5410);
+    if (store) *(uint32_t *)dst = x;
+}
+
+/* out + (2t + (g & 1)) * ld + (g & ~1): the lane part of fq_st_transposed's
+ * address for fragments whose k = k_frag + 2t */
+static __device__ __forceinline__ fq_bf16 *fq_st_t_lane(fq_bf16 *out, int64_t ld, int lane)
+{
+    int g = lane >> 2, t = lane & 3;
+    return out + (int64_t)(2 * t + (g & 1)) * ld + (g & ~1);
+}
+
+template <int K, int NW, int NS, int KS>
+__global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state_args args, int V)
+{
+    typedef fq_state2_smem<K, NW, NS, KS> SM;
+    constexpr int BV = SM::BV, LDK = SM::LDK, LDB = SM::LDB, NTH = NW * KS * 32;
+    constexpr int KW = K / KS;   /* state rows per warp */
+    constexpr int NKT = KW / 8;  /* n8 tiles of S^T per warp */
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const int HV = args.HV, nvs = V / BV;
+    const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV, n = blockIdx.x / (nvs * HV);
+    const int hq = j / (HV / args.H);
+    const fq_seq_info si = args.seqs[n];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+    const int grp = warp / KS, kh = warp % KS;
+    const int vw = vs * BV + 16 * grp; /* the group's first state column */
+    const int k0 = kh * KW;            /* this warp's first state row */
+
+    /* S_0^T = h0 slice */
+    const int64_t state_off = ((int64_t)n * HV + j) * K * V;
+    float S[NKT][4];
+#pragma unroll
+    for (int nt = 0; nt < NKT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int k = k0 + 8 * nt + 2 * tq + (e & 1), v = vw + gq + 8 * (e >> 1);
+            S[nt][e] = args.h0 ? args.h0[state_off + (int64_t)k * V + v] : 0.f;
+        }
+
+    /* async load of part `part` of chunk lc (local index) into buffer b:
+     * rows part*RP .. part*RP + RP - 1 of W and K (RP = 64 / NPART), and in
+     * part 0 also U's BV columns, gamma and kdecay. The NPART parts are
+     * issued between the k-steps of the first product (a lone warp per SM
+     * sub-partition issues everything itself; asm volatile keeps the order).
+     * Each thread copies fixed 16-byte columns (c_t, c_u) of rows r_t + i *
+     * RSTEP: per chunk one set of base pointers (fq_ld_base), then
+     * compile-time offsets. */
+    constexpr int NPART = KW / 16, RP = 64 / NPART;
+    constexpr int CPR = K / 8, RSTEP = NTH / CPR, UPR = BV / 8, USTEP = NTH / UPR;
+    static_assert(NTH % CPR == 0 && NTH % UPR == 0 && RP % RSTEP == 0 && 64 % USTEP == 0, "load split");
+    const int r_t = tid / CPR, c_t = (tid % CPR) * 8, r_u = tid / UPR, c_u = (tid % UPR) * 8;
+    const int64_t kstride = (int64_t)args.H * K; /* elements between k rows */
+    struct fq_ld_base {
+        const fq_bf16 *w, *k, *u;
+        const float *g;
+        int lim; /* rows r_t + r with r < lim are real tokens */
+    };
+    auto ld_base = [&](int lc) {
+        fq_ld_base lb;
+        const int64_t tile = ((int64_t)(si.chunk0 + lc) * HV + j) * 64;
+        const int row0 = si.bos + lc * 64, len = min(64, si.len - lc * 64);
+        lb.w = args.w + (tile + r_t) * K + c_t;
+        lb.k = args.kb + ((int64_t)(row0 + r_t) * args.H + hq) * K + c_t;
+        lb.u = args.u + (tile + r_u) * V + vs * BV + c_u;
+        lb.g = tid < 16 ? args.gamma + tile + tid * 4 : args.kdecay + tile + (tid - 16) * 4;
+        lb.lim = len - r_t;
+        return lb;
+    };
+    auto load_part = [&](const fq_ld_base &lb, int b, int part) {
+        unsigned char *buf = smem + b * SM::buf;
+        fq_bf16 *Wd = (fq_bf16 *)(buf + SM::b_w) + r_t * LDK + c_t;
+        fq_bf16 *Kd = (fq_bf16 *)(buf + SM::b_k) + r_t * LDK + c_t;
+#pragma unroll
+        for (int it = 0; it < RP / RSTEP; it++) {
+            const int r = part * RP + it * RSTEP;
+            fq_cp_async16(Wd + r * LDK, lb.w + r * K, 16);
+            const bool ok = r < lb.lim;
+            fq_cp_async16(Kd + r * LDK, ok ? lb.k + r * kstride : args.kb, ok ? 16 : 0);
+        }
+        if (part == 0) {
+            fq_bf16 *Ud = (fq_bf16 *)(buf + SM::b_u) + r_u * LDB + c_u;
+#pragma unroll
+            for (int it = 0; it < 64 / USTEP; it++) {
+                const int r = it * USTEP;
+                fq_cp_async16(Ud + r * LDB, lb.u + (int64_t)r * V, 16);
+            }
+            if (tid < 32) fq_cp_async16(buf + (tid < 16 ? SM::b_g + tid * 16 : SM::b_d + (tid - 16) * 16), lb.g, 16);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+        if (s < si.nchunks) {
+            const fq_ld_base lb = ld_base(s);
+#pragma unroll
+            for (int part = 0; part < NPART; part++) load_part(lb, s, part);
+        }
+        fq_cp_async_commit();
+    }
+
+    for (int lc = 0; lc < si.nchunks; lc++) {
+        /* group lc (chunk lc) is complete once at most NS-2 newer ones pend */
+        fq_cp_async_wait<NS - 2>();
+        __syncthreads(); /* chunk lc visible to all; buffer (lc-1) % NS free */
+        const int lnext = lc + NS - 1, bnext = lnext % NS;
+        const bool more = lnext < si.nchunks;
+        fq_ld_base lbn;
+        if (more) lbn = ld_base(lnext);
+
+        const unsigned char *buf = smem + (lc % NS) * SM::buf;
+        const fq_bf16 *Wb = (const fq_bf16 *)(buf + SM::b_w), *Kb = (const fq_bf16 *)(buf + SM::b_k);
+        const fq_bf16 *Ub = (const fq_bf16 *)(buf + SM::b_u);
+        const float *gam = (const float *)(buf + SM::b_g), *kdec = (const float *)(buf + SM::b_d);
+        const int64_t chunk = si.chunk0 + lc;
+        const int64_t tile = (chunk * HV + j) * 64;
+
+        /* acc = S^T[:, k0..] W^T[k0.., :] (16 x 64); h_c out on the way (a[q]
+         * holds v = g + 8 (q & 1), k = k0 + 16 kk + 8 (q >> 1) + 2t, +1) */
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        /* h_c: word a[q] of k-step kk goes to rows k0 + 16 kk + 8 (q >> 1) + .. */
+        fq_bf16 *hl = fq_st_t_lane(args.h + (chunk * HV + j) * K * V + (int64_t)k0 * V + vw, V, lane);
+        const int64_t V8 = 8 * (int64_t)V;
+#pragma unroll
+        for (int kk = 0; kk < KW / 16; kk++) {
+            uint32_t a[4];
+            a[0] = fq_pack_bf16(S[2 * kk][0], S[2 * kk][1]);
+            a[1] = fq_pack_bf16(S[2 * kk][2], S[2 * kk][3]);
+            a[2] = fq_pack_bf16(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+            a[3] = fq_pack_bf16(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+#pragma unroll
+            for (int n2 = 0; n2 < 4; n2++) {
+                uint32_t b[4];
+                fq_frag_b_nk(b, Wb, LDK, 16 * n2, k0 + 16 * kk);
+                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+            }
+#pragma unroll
+            for (int q = 0; q < 4; q++) fq_st_transposed(hl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), a[q], gq);
+            if (more) load_part(lbn, bnext, kk); /* chunk lc + NS - 1, part kk */
+        }
+        fq_cp_async_commit();
+
+        if (KS == 2) {
+            /* the group's two partial products: acc = P_own + P_partner (the
+             * same sum, bitwise, in both warps). The exchange area is reused
+             * next chunk only after the ring's __syncthreads. */
+            float2 *xo = (float2 *)(smem + SM::off_x) + warp * 512;
+            const float2 *xp = (const float2 *)(smem + SM::off_x) + (warp ^ 1) * 512;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                xo[(2 * nt) * 32 + lane] = make_float2(acc[nt][0], acc[nt][1]);
+                xo[(2 * nt + 1) * 32 + lane] = make_float2(acc[nt][2], acc[nt][3]);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                float2 p0 = xp[(2 * nt) * 32 + lane], p1 = xp[(2 * nt + 1) * 32 + lane];
+                acc[nt][0] += p0.x; acc[nt][1] += p0.y;
+                acc[nt][2] += p1.x; acc[nt][3] += p1.y;
+            }
+        }
+
+        /* Vn^T = U^T - acc (uf[q] = U^T[g + 8 (q & 1)][16 kk + 8 (q >> 1) + 2t, +1]
+         * pairs with acc[2 kk + (q >> 1)][2 (q & 1), +1]); Vn out (KS = 2:
+         * warp kh stores the k-steps kk with kk % 2 == kh); the update's A
+         * operand kdecay ⊙ Vn (rows along k) */
+        fq_bf16 *vl = fq_st_t_lane(args.vn + tile * V + vw, V, lane);
+        uint32_t va[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t uf[4];
+            fq_frag_a_trans(uf, Ub, LDB, 16 * grp, 16 * kk);
+            const float2 d0 = *(const float2 *)(kdec + 16 * kk + 2 * tq);
+            const float2 d8 = *(const float2 *)(kdec + 16 * kk + 8 + 2 * tq);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float *x = acc[2 * kk + (q >> 1)] + 2 * (q & 1);
+                float2 u = fq_unpack_bf16(uf[q]);
+                float x0 = u.x - x[0], x1 = u.y - x[1];
+                fq_st_transposed(vl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), fq_pack_bf16(x0, x1), gq,
+                                 KS == 1 || (kk & 1) == kh);
+                float2 d = (q >> 1) ? d8 : d0;
+                va[kk][q] = fq_pack_bf16(x0 * d.x, x1 * d.y);
+            }
+        }
+
+        /* S^T[:, k0..] = e^{gamma_C} S^T[:, k0..] + (kdecay ⊙ Vn)^T K[:, k0..] */
+        const float dc = __expf(gam[63]);
+#pragma unroll
+        for (int nt = 0; nt < NKT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[nt][e] *= dc;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+            for (int n2 = 0; n2 < KW / 16; n2++) {
+                uint32_t b[4];
+                fq_frag_b_kn(b, Kb, LDK, 16 * kk, k0 + 16 * n2);
+                fq_mma_bf16(S[2 * n2], va[kk], b[0], b[1]);
+                fq_mma_bf16(S[2 * n2 + 1], va[kk], b[2], b[3]);
+            }
+        }
+    }
+    fq_cp_async_wait<0>();
+
+    if (args.ht) {
+#pragma unroll
+        for (int nt = 0; nt < NKT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int k = k0 + 8 * nt + 2 * tq + (e & 1), v = vw + gq + 8 * (e >> 1);
+                args.ht[state_off + (int64_t)k * V + v] = S[nt][e];
+            }
+    }
+}
+
+template <int K, int NW, int NS, int KS>
+static fq_status fq_launch_state2_ns(const fq_state_args &args, int64_t blocks, int V, cudaStream_t stream)
+{
+    int bytes = fq_state2_smem<K, NW, NS, KS>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_state2_kernel<K, NW, NS, KS>, bytes);
+    if (st != FQ_OK) return st;
+    fq_fwd_state2_kernel<K, NW, NS, KS><<<(unsigned)blocks, NW * KS * 32, bytes, stream>>>(args, V);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+/* One block per SM or fewer: 4-deep ring (150-210 KB); more: 2-deep, two
+ * blocks per SM. */
+template <int K, int NW, int KS>
+static fq_status fq_launch_state2(const fq_state_args &args, int64_t blocks, int V, int sms,
+                                  cudaStream_t stream)
+{
+    if (blocks <= sms) return fq_launch_state2_ns<K, NW, 4, KS>(args, blocks, V, stream);
+    return fq_launch_state2_ns<K, NW, 2, KS>(args, blocks, V, stream);
+}
+
+template <int K>
+static fq_status fq_launch_state2_k(const fq_state_args &args, int64_t blocks, int V, int sms, int bv, int ks,
+                                    cudaStream_t stream)
+{
+    if (ks == 2) {
+        if (bv == 16) return fq_launch_state2<K, 1, 2>(args, blocks, V, sms, stream);
+        if (bv == 32) return fq_launch_state2<K, 2, 2>(args, blocks, V, sms, stream);
+        return fq_launch_state2<K, 4, 2>(args, blocks, V, sms, stream);
+    }
+    if (bv == 16) return fq_launch_state2<K, 1, 1>(args, blocks, V, sms, stream);
+    if (bv == 32) return fq_launch_state2<K, 2, 1>(args, blocks, V, sms, stream);
+    return fq_launch_state2<K, 4, 1>(args, blocks, V, sms, stream);
+}
+
+extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                                           int ksplit, cudaStream_t stream)
+{
+    if (p->N <= 0) return FQ_OK;
+    int dev = 0, sms = 132;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int V = (int)p->V;
+    /* 16-column groups in the grid */
+    const int64_t groups = p->N * p->HV * (V / 16);
+    /* K-split while every warp of it still gets an SM sub-partition of its
+     * own (2 * groups <= 4 * SMs) */
+    if (ksplit == 0) ksplit = groups <= 2 * (int64_t)sms ? 2 : 1;
+    if (bv == 0) {
+        /* few chains: each warp (pair) alone on an SM sub-partition, blocks
+         * spread over the SMs; many: 4 warps per block */
+        if (ksplit == 2) bv = groups <= sms ? 16 : 32;
+        else bv = groups <= 2 * (int64_t)sms ? 32 : 64;
+    }
+    if ((bv != 16 && bv != 32 && bv != 64) || V % bv != 0 || (ksplit != 1 && ksplit != 2))
+        return fq_fail(FQ_ERR_INTERNAL, "fq_cuda_fwd_state_v2: bad bv %d / ksplit %d", bv, ksplit);
+    fq_state_args args;
+    args.seqs = ws->seqs;
+    args.kb = ws->kb;
+    args.h0 = (const float *)p->h0;
+    args.ht = ht;
+    args.H = (int)p->H;
+    args.HV = (int)p->HV;
+    args.gamma = ws->gamma;
+    args.kdecay = ws->kdecay;
+    args.w = ws->w;
+    args.u = ws->u;
+    args.h = ws->h;
+    args.vn = ws->vn;
+    int64_t blocks = p->N * p->HV * (V / bv);
+    if (p->K == 128) return fq_launch_state2_k<128>(args, blocks, V, sms, bv, ksplit, stream);
+    if (p->K == 64) return fq_launch_state2_k<64>(args, blocks, V, sms, bv, ksplit, stream);
+    return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld",
+                   (long long)p->K);
+}
+
+extern "C" fq_status fq_cuda_fwd_state_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                                          cudaStream_t stream)
+{
+    return fq_cuda_fwd_state_v2x(p, ws, ht, bv, 0, stream);
+}
+
+/* Stage B: v1 or v2 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1). */
+extern "C" fq_status fq_cuda_fwd_state(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+                                       cudaStream_t stream)
+{
+    if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_state_v1(p, ws, ht, bv, stream);
+    return fq_cuda_fwd_state_v2(p, ws, ht, bv, stream);
+}

@@ -1,0 +1,609 @@
+/*
+ * gdn_cuda_fwd_wy.cu — forward stage A (DESIGN §2), one block per (chunk,
+ * value head), chunk-parallel. Two implementations: v1 (fq_fwd_wy_kernel,
+ * column-per-thread 64-row forward substitution) and v2 (fq_fwd_wy2_kernel,
+ * blocked inverse, below); fq_cuda_fwd_wy picks by fq_cuda_fwd_use_v1().
+ *
+ *     gamma_r = sum_{s <= r} g_s                                  (fp32)
+ *     L       = strict_lower( diag(beta) (K K^T ⊙ Gamma) )        Gamma_rs = e^{gamma_r - gamma_s}
+ *     A       = (I + L)^-1                                        (fp32 forward substitution)
+ *     W       = A diag(beta e^gamma) K                            (bf16 out)
+ *     U       = A diag(beta) V                                    (bf16 out)
+ *     kdecay_r = e^{gamma_C - gamma_r} rk_r                       (for stage B)
+ *
+ * With use_qk_l2norm, k = rk * k_raw: K K^T picks up rk_r rk_s, W picks up rk_r.
+ * Padding rows of a short last chunk load as zeros (g = beta = 0), so W, U,
+ * kdecay are zero there and gamma stays at gamma_{len-1}.
+ */
+#include "gdn_cuda_common.cuh"
+
+struct fq_wy_args {
+    const fq_chunk_info *chunks;
+    const fq_bf16 *kb, *vb;
+    const void *g, *beta;
+    fq_dtype gate_dtype;
+    const float *rk;
+    int H, HV;
+    float *gamma, *kdecay;
+    fq_bf16 *w, *u, *a;
+};
+
+#define FQ_WY_LDL 68 /* fp32 row stride of L in shared memory */
+
+template <int K, int V> struct fq_wy_smem {
+    static constexpr int LDK = K + 8, LDV = V + 8, LDA = 64 + 8;
+    static constexpr int off_k = 0;
+    static constexpr int off_v = off_k + 64 * LDK * 2;
+    static constexpr int off_a = off_v + 64 * LDV * 2;
+    static constexpr int off_l = off_a + 64 * LDA * 2;
+    static constexpr int off_vec = off_l + 64 * FQ_WY_LDL * 4;
+    static constexpr int bytes = off_vec + 4 * 64 * 4 + 16;
+};
+
+template <int K, int V>
+__global__ void __launch_bounds__(128) fq_fwd_wy_kernel(fq_wy_args args)
+{
+    typedef fq_wy_smem<K, V> SM;
+    extern __shared__ __align__(16) unsigned char smem[];
+    fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
+    fq_bf16 *Vs = (fq_bf16 *)(smem + SM::off_v);
+    fq_bf16 *As = (fq_bf16 *)(smem + SM::off_a);
+    float *Lf = (float *)(smem + SM::off_l);
+    float *gam = (float *)(smem + SM::off_vec);
+    float *bet = gam + 64, *rkv = gam + 128, *wsum = gam + 192;
+
+    const int HV = args.HV;
+    const int chunk = blockIdx.x / HV, j = blockIdx.x % HV;
+    const fq_chunk_info ci = args.chunks[chunk];
+    if (ci.seq < 0) return;
+    const int hq = j / (HV / args.H);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+
+    /* K, V rows of the chunk -> shared (zeros past len), asynchronously so
+     * that all of the block's loads are in flight at once */
+    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        const fq_bf16 *src = args.kb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
+        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
+    }
+    for (int idx = tid; idx < 64 * (V / 8); idx += 128) {
+        int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
+        const fq_bf16 *src = args.vb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.vb + ((int64_t)(ci.row0 + r) * HV + j) * V + c; bytes = 16; }
+        fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
+    }
+    fq_cp_async_commit();
+    /* gamma = cumsum(g) over the chunk (two warps, then the carry) */
+    if (tid < 64) {
+        float gv = 0.f, bv = 0.f, rv = 0.f;
+        if (tid < ci.len) {
+            int64_t gi = (int64_t)(ci.row0 + tid) * HV + j;
+            gv = fq_ld_f(args.g, args.gate_dtype, gi);
+            bv = fq_ld_f(args.beta, args.gate_dtype, gi);
+            rv = args.rk ? args.rk[(int64_t)(ci.row0 + tid) * args.H + hq] : 1.f;
+        }
+        for (int o = 1; o < 32; o <<= 1) {
+            float y = __shfl_up_sync(0xffffffffu, gv, o);
+            if (lane >= o) gv += y;
+        }
+        if (tid == 31) wsum[0] = gv;
+        gam[tid] = gv;
+        bet[tid] = bv;
+        rkv[tid] = rv;
+    }
+    fq_cp_async_wait<0>();
+    __syncthreads();
+    if (tid >= 32 && tid < 64) gam[tid] += wsum[0];
+    __syncthreads();
+
+    /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)): warp w owns rows 16w..16w+15 */
+    {
+        float acc[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < K / 16; kk++) {
+            uint32_t a[4];
+            fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
+#pragma unroll
+            for (int n2 = 0; n2 < 4; n2++) {
+                uint32_t b[4];
+                fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
+                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = 16 * warp + gq + (e >> 1) * 8, c = 8 * n + 2 * tq + (e & 1);
+                float x = 0.f;
+                if (c < r) x = bet[r] * rkv[r] * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][e];
+                Lf[r * FQ_WY_LDL + c] = x;
+            }
+        }
+    }
+    __syncthreads();
+
+    if (tid < 64) {
+        /* A = (I + L)^-1 by forward substitution, one column per thread:
+         * A[i][c] = delta_ic - sum_{j<i} L[i][j] A[j][c]  (L[i][j>=i] = 0) */
+        const int c = tid;
+        float col[64];
+#pragma unroll
+        for (int i = 0; i < 64; i++) col[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 64; i++) {
+            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+            for (int jb = 0; jb < i; jb += 4) {
+                float4 l4 = *(const float4 *)(Lf + i * FQ_WY_LDL + jb);
+                s0 -= l4.x * col[jb];
+                s1 -= l4.y * col[jb + 1];
+                s2 -= l4.z * col[jb + 2];
+                s3 -= l4.w * col[jb + 3];
+            }
+            col[i] = (s0 + s1) + (s2 + s3);
+        }
+#pragma unroll
+        for (int i = 0; i < 64; i++) As[i * SM::LDA + c] = __float2bfloat16_rn(col[i]);
+        if (args.a) {
+            fq_bf16 *ag = args.a + (int64_t)blockIdx.x * 64 * 64;
+#pragma unroll
+            for (int i = 0; i < 64; i++) ag[i * 64 + c] = __float2bfloat16_rn(col[i]);
+        }
+    } else {
+        /* meanwhile: K <- diag(beta e^gamma rk) K, V <- diag(beta) V, in place */
+        for (int idx = tid - 64; idx < 64 * (K / 8); idx += 64) {
+            int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+            float f = bet[r] * __expf(gam[r]) * rkv[r];
+            uint4 *pk = (uint4 *)(Ks + r * SM::LDK + c);
+            uint4 x = *pk;
+            uint32_t *xs = (uint32_t *)&x;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float2 f2 = fq_unpack_bf16(xs[q]);
+                xs[q] = fq_pack_bf16(f2.x * f, f2.y * f);
+            }
+            *pk = x;
+        }
+        for (int idx = tid - 64; idx < 64 * (V / 8); idx += 64) {
+            int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
+            float f = bet[r];
+            uint4 *pv = (uint4 *)(Vs + r * SM::LDV + c);
+            uint4 x = *pv;
+            uint32_t *xs = (uint32_t *)&x;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float2 f2 = fq_unpack_bf16(xs[q]);
+                xs[q] = fq_pack_bf16(f2.x * f, f2.y * f);
+            }
+            *pv = x;
+        }
+    }
+    __syncthreads();
+
+    const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
+    /* W = A (diag(beta e^gamma) K), U = A (diag(beta) V): warp w owns rows 16w.. */
+    uint32_t af[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) fq_frag_a(af[kk], As, SM::LDA, 16 * warp, 16 * kk);
+    {
+        float acc[K / 8][4];
+#pragma unroll
+        for (int n = 0; n < K / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+            for (int n2 = 0; n2 < K / 16; n2++) {
+                uint32_t b[4];
+                fq_frag_b_kn(b, Ks, SM::LDK, 16 * kk, 16 * n2);
+                fq_mma_bf16(acc[2 * n2], af[kk], b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], af[kk], b[2], b[3]);
+            }
+        }
+        fq_bf16 *wg = args.w + tile * K;
+#pragma unroll
+        for (int n = 0; n < K / 8; n++) {
+            int r = 16 * warp + gq, c = 8 * n + 2 * tq;
+            *(uint32_t *)(wg + r * K + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
+            *(uint32_t *)(wg + (r + 8) * K + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
+        }
+    }
+    {
+        float acc[V / 8][4];
+#pragma unroll
+        for (int n = 0; n < V / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+#pragma unroll
+            for (int n2 = 0; n2 < V / 16; n2++) {
+                uint32_t b[4];
+                fq_frag_b_kn(b, Vs, SM::LDV, 16 * kk, 16 * n2);
+                fq_mma_bf16(acc[2 * n2], af[kk], b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], af[kk], b[2], b[3]);
+            }
+        }
+        fq_bf16 *ug = args.u + tile * V;
+#pragma unroll
+        for (int n = 0; n < V / 8; n++) {
+            int r = 16 * warp + gq, c = 8 * n + 2 * tq;
+            *(uint32_t *)(ug + r * V + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
+            *(uint32_t *)(ug + (r + 8) * V + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
+        }
+    }
+    if (tid < 64) {
+        args.gamma[tile + tid] = gam[tid];
+        args.kdecay[tile + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
+    }
+}
+
+template <int K, int V>
+static fq_status fq_launch_wy(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+{
+    int bytes = fq_wy_smem<K, V>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_kernel<K, V>, bytes);
+    if (st != FQ_OK) return st;
+    fq_fwd_wy_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_fwd_wy_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    int64_t blocks = ws->nc_max * p->HV;
+    if (blocks <= 0) return FQ_OK;
+    fq_wy_args args;
+    args.chunks = ws->chunks;
+    args.kb = ws->kb;
+    args.vb = ws->vb;
+    args.g = p->g;
+    args.beta = p->beta;
+    args.gate_dtype = p->gate_dtype;
+    args.rk = ws->rk;
+    args.H = (int)p->H;
+    args.HV = (int)p->HV;
+    args.gamma = ws->gamma;
+    args.kdecay = ws->kdecay;
+    args.w = ws->w;
+    args.u = ws->u;
+    args.a = ws->a;
+    if (p->K == 128 && p->V == 128) return fq_launch_wy<128, 128>(args, blocks, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy<128, 64>(args, blocks, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy<64, 128>(args, blocks, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy<64, 64>(args, blocks, stream);
+    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
+                   (long long)p->K, (long long)p->V);
+}
+
+/* ------------------------------------------------------------------ v2 ----
+ *
+ * Same outputs as v1, restructured so that no thread runs a long serial
+ * chain (v1: one thread per column walks all 64 rows, ~3000 straight-line
+ * instructions, ~18 us per block):
+ *
+ *   L      as v1 (K K^T by mma; only the 16x16 blocks on or below the diagonal)
+ *   D_i    = (I + L_ii)^-1 for the four 16x16 diagonal blocks, one warp each
+ *            (16-row forward substitution in fp32, the v1 recurrence)
+ *   A_ij   = -D_i sum_{k=j}^{i-1} L_ik A_kj       (i > j; A_jj = D_j)
+ *            column block j by warp j (j = 0..2) in fp32 FFMA (16x16x16
+ *            products from shared memory); a column block depends only on
+ *            the D_i and on itself, so only __syncwarp inside
+ *   W      = (A diag(beta e^gamma rk)) K,  U = (A diag(beta)) V
+ *            the column factors are applied to A in fp32 before its bf16
+ *            rounding as the mma operand (v1 scaled K and V in bf16 instead);
+ *            warp w owns output columns w*K/4.. (balanced), k-steps above
+ *            the diagonal of A skipped
+ *
+ * A stays fp32 until it is an mma operand (or ws->a), as in v1.
+ */
+#define FQ_WY2_LDF 72 /* fp32 row stride of L and A: conflict-free float2 fragment reads */
+
+template <int K, int V> struct fq_wy2_smem {
+    static constexpr int LDK = K + 8, LDV = V + 8;
+    static constexpr int off_k = 0;
+    static constexpr int off_v = off_k + 64 * LDK * 2;
+    static constexpr int off_l = off_v + 64 * LDV * 2;
+    static constexpr int off_a = off_l + 64 * FQ_WY2_LDF * 4;
+    static constexpr int off_vec = off_a + 64 * FQ_WY2_LDF * 4;
+    static constexpr int bytes = off_vec + 4 * 64 * 4;
+};
+
+/* acc[0..7] += (X Y)[r][cb..cb+7] for 16x16 fp32 blocks X, Y in shared memory
+ * (row stride FQ_WY2_LDF). Lanes: r = lane / 2, cb = 8 (lane % 2). */
+static __device__ __forceinline__ void fq_mm16_acc(float acc[8], const float *X, const float *Y, int r, int cb)
+{
+#pragma unroll
+    for (int k0 = 0; k0 < 16; k0 += 4) {
+        const float4 x = *(const float4 *)(X + r * FQ_WY2_LDF + k0);
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const float4 y0 = *(const float4 *)(Y + (k0 + kk) * FQ_WY2_LDF + cb);
+            const float4 y1 = *(const float4 *)(Y + (k0 + kk) * FQ_WY2_LDF + cb + 4);
+            acc[0] += xs[kk] * y0.x;
+            acc[1] += xs[kk] * y0.y;
+            acc[2] += xs[kk] * y0.z;
+            acc[3] += xs[kk] * y0.w;
+            acc[4] += xs[kk] * y1.x;
+            acc[5] += xs[kk] * y1.y;
+            acc[6] += xs[kk] * y1.z;
+            acc[7] += xs[kk] * y1.w;
+        }
+    }
+}
+
+/* out[:, c0 .. c0+NC) = (A diag(f)) B over the 64 chunk rows, one warp:
+ * A fp32 (Af, lower triangular: k-steps above the diagonal skipped), f one
+ * factor per column of A, B bf16 [64][*] in shared memory (row stride ldb);
+ * out bf16 in global memory (row stride ld). */
+template <int NC>
+static __device__ __forceinline__ void fq_wy2_apply(const float *Af, const float *f, const fq_bf16 *Bs, int ldb,
+                                                    int c0, fq_bf16 *out, int ld)
+{
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        /* one m16 row tile at a time (few live registers) */
+        float acc[NC / 8][4];
+#pragma unroll
+        for (int n = 0; n < NC / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk <= m; kk++) {
+            const int ca = 16 * kk + 2 * tq;
+            const float2 f0 = *(const float2 *)(f + ca), f8 = *(const float2 *)(f + ca + 8);
+            const float *ar = Af + (16 * m + gq) * FQ_WY2_LDF + ca;
+            const float2 p00 = *(const float2 *)ar, p10 = *(const float2 *)(ar + 8 * FQ_WY2_LDF);
+            const float2 p01 = *(const float2 *)(ar + 8), p11 = *(const float2 *)(ar + 8 * FQ_WY2_LDF + 8);
+            uint32_t a[4];
+            a[0] = fq_pack_bf16(p00.x * f0.x, p00.y * f0.y);
+            a[1] = fq_pack_bf16(p10.x * f0.x, p10.y * f0.y);
+            a[2] = fq_pack_bf16(p01.x * f8.x, p01.y * f8.y);
+            a[3] = fq_pack_bf16(p11.x * f8.x, p11.y * f8.y);
+#pragma unroll
+            for (int n2 = 0; n2 < NC / 16; n2++) {
+                uint32_t b[4];
+                fq_frag_b_kn(b, Bs, ldb, 16 * kk, c0 + 16 * n2);
+                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NC / 8; n++) {
+            int r = 16 * m + gq, c = c0 + 8 * n + 2 * tq;
+            *(uint32_t *)(out + r * ld + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
+            *(uint32_t *)(out + (r + 8) * ld + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
+        }
+    }
+}
+
+template <int K, int V>
+__global__ void __launch_bounds__(128, 3) fq_fwd_wy2_kernel(fq_wy_args args)
+{
+    typedef fq_wy2_smem<K, V> SM;
+    constexpr int LDF = FQ_WY2_LDF;
+    extern __shared__ __align__(16) unsigned char smem[];
+    fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
+    fq_bf16 *Vs = (fq_bf16 *)(smem + SM::off_v);
+    float *Lf = (float *)(smem + SM::off_l);
+    float *Af = (float *)(smem + SM::off_a);
+    float *gam = (float *)(smem + SM::off_vec);
+    float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
+
+    const int HV = args.HV;
+    const int chunk = blockIdx.x / HV, j = blockIdx.x % HV;
+    const fq_chunk_info ci = args.chunks[chunk];
+    if (ci.seq < 0) return;
+    const int hq = j / (HV / args.H);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+
+    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        const fq_bf16 *src = args.kb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
+        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
+    }
+    for (int idx = tid; idx < 64 * (V / 8); idx += 128) {
+        int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
+        const fq_bf16 *src = args.vb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.vb + ((int64_t)(ci.row0 + r) * HV + j) * V + c; bytes = 16; }
+        fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
+    }
+    fq_cp_async_commit();
+    /* gamma = cumsum(g) (one warp: tokens lane and lane + 32), beta, rk and
+     * the W column factors fw = beta e^gamma rk */
+    if (warp == 0) {
+        float gv[2], bv[2], rv[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int r = lane + 32 * h;
+            gv[h] = bv[h] = rv[h] = 0.f;
+            if (r < ci.len) {
+                int64_t gi = (int64_t)(ci.row0 + r) * HV + j;
+                gv[h] = fq_ld_f(args.g, args.gate_dtype, gi);
+                bv[h] = fq_ld_f(args.beta, args.gate_dtype, gi);
+                rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
+            }
+        }
+        for (int o = 1; o < 32; o <<= 1) {
+            float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
+            if (lane >= o) { gv[0] += y0; gv[1] += y1; }
+        }
+        gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int r = lane + 32 * h;
+            gam[r] = gv[h];
+            bet[r] = bv[h];
+            rkv[r] = rv[h];
+            fw[r] = bv[h] * __expf(gv[h]) * rv[h];
+        }
+    }
+    fq_cp_async_wait<0>();
+    __syncthreads();
+
+    /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)): warp w, rows 16w..16w+15,
+     * column blocks 0..w (the blocks above stay unwritten: scratch below) */
+    {
+        float acc[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < K / 16; kk++) {
+            uint32_t a[4];
+            fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
+#pragma unroll
+            for (int n2 = 0; n2 < 4; n2++) {
+                if (n2 > warp) continue;
+                uint32_t b[4];
+                fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
+                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            if ((n >> 1) > warp) continue;
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                int r = 16 * warp + gq + 8 * hr, c = 8 * n + 2 * tq;
+                float fr = bet[r] * rkv[r];
+                float2 x;
+                x.x = (c < r) ? fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr] : 0.f;
+                x.y = (c + 1 < r) ? fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1] : 0.f;
+                *(float2 *)(Lf + r * LDF + c) = x;
+            }
+        }
+    }
+    __syncthreads();
+
+    /* D_w = (I + L_ww)^-1: lane -> column c = lane % 16 (lanes 16..31 repeat
+     * lanes 0..15), D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c] */
+    {
+        const int b = 16 * warp, c = lane & 15;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) x[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+            for (int jb = 0; jb < i; jb += 4) {
+                float4 l4 = *(const float4 *)(Lf + (b + i) * LDF + b + jb);
+                s0 -= l4.x * x[jb];
+                s1 -= l4.y * x[jb + 1];
+                s2 -= l4.z * x[jb + 2];
+                s3 -= l4.w * x[jb + 3];
+            }
+            x[i] = (s0 + s1) + (s2 + s3);
+        }
+        if (lane < 16) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) Af[(b + i) * LDF + b + c] = x[i];
+        }
+    }
+    __syncthreads();
+
+    /* A_ij = -D_i sum_{k=j}^{i-1} L_ik A_kj, column block jb by warp jb; the
+     * partial sum T goes through the unused upper block (0, jb+1) of Lf */
+    if (warp < 3) {
+        const int jb = warp, r = lane >> 1, cb = (lane & 1) * 8;
+        float *T = Lf + 16 * (jb + 1);
+#pragma unroll 1
+        for (int i = jb + 1; i < 4; i++) {
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[e] = 0.f;
+#pragma unroll 1
+            for (int k = jb; k < i; k++) fq_mm16_acc(acc, Lf + 16 * i * LDF + 16 * k, Af + 16 * k * LDF + 16 * jb, r, cb);
+            *(float4 *)(T + r * LDF + cb) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            *(float4 *)(T + r * LDF + cb + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            __syncwarp();
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[e] = 0.f;
+            fq_mm16_acc(acc, Af + 16 * i * LDF + 16 * i, T, r, cb);
+            float *dst = Af + (16 * i + r) * LDF + 16 * jb + cb;
+            *(float4 *)dst = make_float4(-acc[0], -acc[1], -acc[2], -acc[3]);
+            *(float4 *)(dst + 4) = make_float4(-acc[4], -acc[5], -acc[6], -acc[7]);
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+
+    /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. */
+    const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
+    fq_wy2_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+    fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
+    if (args.a) {
+        /* bf16 A for the backward, zeros above the diagonal (those blocks of
+         * Af were never written) */
+        fq_bf16 *ag = args.a + (int64_t)blockIdx.x * 64 * 64;
+        for (int idx = tid; idx < 64 * 8; idx += 128) {
+            int r = idx >> 3, c = (idx & 7) * 8;
+            float4 x0 = *(const float4 *)(Af + r * LDF + c), x1 = *(const float4 *)(Af + r * LDF + c + 4);
+            float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            uint32_t pk[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                pk[e] = fq_pack_bf16(c + 2 * e <= r ? xs[2 * e] : 0.f, c + 2 * e + 1 <= r ? xs[2 * e + 1] : 0.f);
+            *(uint4 *)(ag + r * 64 + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        }
+    }
+    if (tid < 64) {
+        args.gamma[tile + tid] = gam[tid];
+        args.kdecay[tile + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
+    }
+}
+
+template <int K, int V>
+static fq_status fq_launch_wy2(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+{
+    int bytes = fq_wy2_smem<K, V>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy2_kernel<K, V>, bytes);
+    if (st != FQ_OK) return st;
+    fq_fwd_wy2_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    int64_t blocks = ws->nc_max * p->HV;
+    if (blocks <= 0) return FQ_OK;
+    fq_wy_args args;
+    args.chunks = ws->chunks;
+    args.kb = ws->kb;
+    args.vb = ws->vb;
+    args.g = p->g;
+    args.beta = p->beta;
+    args.gate_dtype = p->gate_dtype;
+    args.rk = ws->rk;
+    args.H = (int)p->H;
+    args.HV = (int)p->HV;
+    args.gamma = ws->gamma;
+    args.kdecay = ws->kdecay;
+    args.w = ws->w;
+    args.u = ws->u;
+    args.a = ws->a;
+    if (p->K == 128 && p->V == 128) return fq_launch_wy2<128, 128>(args, blocks, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy2<128, 64>(args, blocks, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy2<64, 128>(args, blocks, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy2<64, 64>(args, blocks, stream);
+    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
+                   (long long)p->K, (long long)p->V);
+}
+
+/* Stage A: v1 or v2 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1). */
+extern "C" fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_wy_v1(p, ws, stream);
+    return fq_cuda_fwd_wy_v2(p, ws, stream);
+}

@@ -1,0 +1,295 @@
+/*
+ * gdn_cuda_recurrent.cu — the recurrent step (decode / multi-token verify):
+ * the operator of DESIGN §1 token by token on a state pool updated in place.
+ *
+ *     alpha_t = e^{g_t}
+ *     u_t     = beta_t (v_t - alpha_t S^T k_t)
+ *     o_t     = scale S_t^T q_t = scale (alpha_t S^T q_t + u_t (k_t . q_t))
+ *     S      <- alpha_t S + k_t u_t^T
+ *
+ * One block of 128 threads per (sequence, value head, 32 state columns): the
+ * block reads its K x 32 fp32 tile of state[slot, j] once (16-byte loads),
+ * keeps it in registers over the sequence's tokens, writes it back once.
+ * Thread layout: 8 column groups of 4 (lane & 7) x 16 row groups of K/16 rows
+ * (4 per warp). Per token one reduction over the rows gives S^T k, S^T q and,
+ * for use_qk_l2norm, |q|^2, |k|^2, q.k (q = rq q_raw, k = rk k_raw).
+ *
+ * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
+ * rows of the sequence written as 0, the pool untouched. With cu_seqlens a
+ * one-block kernel first validates the offsets into the workspace flag; when
+ * invalid, every o element is NaN and the pool is untouched.
+ */
+#include "gdn_cuda_common.cuh"
+
+struct fq_rec_args {
+    const void *q, *k, *v, *g, *beta;
+    fq_dtype dtype, gate_dtype;
+    const void *cu;
+    int cu_is64;
+    const void *idx;
+    int idx_is64;
+    const int *flags; /* NULL without cu_seqlens */
+    float *state;
+    void *o;
+    int64_t P, T;
+    int H, HV, V;
+    int l2norm;
+    float scale;
+};
+
+static __device__ __forceinline__ int64_t fq_rec_index(const void *p, int is64, int64_t i)
+{
+    return is64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+
+#define FQ_REC_RED 11 /* S^T k (4), S^T q (4), k.q, |k|^2, |q|^2 */
+
+/* NE (4 or 8) consecutive elements from index i (a multiple of NE; the array
+ * 16-byte aligned) as floats, with 8/16-byte read-only loads. */
+template <int NE>
+static __device__ __forceinline__ void fq_ld_vec(const void *p, fq_dtype dt, int64_t i, float *out)
+{
+    if (dt == FQ_F32) {
+#pragma unroll
+        for (int h = 0; h < NE; h += 4) {
+            float4 x = __ldg((const float4 *)((const float *)p + i + h));
+            out[h] = x.x; out[h + 1] = x.y; out[h + 2] = x.z; out[h + 3] = x.w;
+        }
+        return;
+    }
+    uint32_t w[NE / 2];
+    const uint16_t *b = (const uint16_t *)p + i;
+    if (NE == 8) {
+        uint4 x = __ldg((const uint4 *)b);
+        w[0] = x.x; w[1] = x.y; w[NE / 2 - 2] = x.z; w[NE / 2 - 1] = x.w;
+    } else {
+        uint2 x = __ldg((const uint2 *)b);
+        w[0] = x.x; w[NE / 2 - 1] = x.y;
+    }
+#pragma unroll
+    for (int h = 0; h < NE / 2; h++) {
+        float2 f;
+        if (dt == FQ_BF16) f = fq_unpack_bf16(w[h]);
+        else f = __half22float2(*(const __half2 *)&w[h]);
+        out[2 * h] = f.x; out[2 * h + 1] = f.y;
+    }
+}
+
+/* one token's inputs for this thread */
+template <int RK> struct fq_rec_tok {
+    float q[RK], k[RK], v[4], g, b;
+};
+
+template <int K>
+__global__ void __launch_bounds__(128) fq_recurrent_kernel(fq_rec_args args)
+{
+    constexpr int RK = K / 16; /* state rows per thread */
+    __shared__ float red[2][4][8][FQ_REC_RED + 1];
+    const int HV = args.HV, V = args.V, nvs = V / 32;
+    const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV;
+    const int64_t n = blockIdx.x / (nvs * HV);
+    const int hq = j / (HV / args.H);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int vg = lane & 7, kg = warp * 4 + (lane >> 3);
+    const int r0 = kg * RK, c0 = vs * 32 + vg * 4;
+
+    int64_t bos, len;
+    if (args.cu) {
+        if (args.flags[0]) {
+            /* invalid cu_seqlens: o <- NaN (grid-stride), pool untouched */
+            int64_t total = args.T * HV * V;
+            float nan = __int_as_float(0x7fc00000);
+            for (int64_t i = (int64_t)blockIdx.x * 128 + tid; i < total; i += (int64_t)gridDim.x * 128)
+                fq_st_f(args.o, args.dtype, i, nan);
+            return;
+        }
+        bos = fq_rec_index(args.cu, args.cu_is64, n);
+        len = fq_rec_index(args.cu, args.cu_is64, n + 1) - bos;
+    } else {
+        bos = n * args.T;
+        len = args.T;
+    }
+    int64_t slot = args.idx ? fq_rec_index(args.idx, args.idx_is64, n) : n;
+    if (slot < 0 || slot >= args.P) {
+        /* padding: o rows 0 */
+        if (kg == 0)
+            for (int64_t t = 0; t < len; t++)
+                for (int e = 0; e < 4; e++)
+                    fq_st_f(args.o, args.dtype, ((bos + t) * HV + j) * V + c0 + e, 0.f);
+        return;
+    }
+
+    float S[RK][4];
+    float *sp = args.state + ((slot * HV + j) * (int64_t)K + r0) * V + c0;
+#pragma unroll
+    for (int i = 0; i < RK; i++) {
+        float4 x = *(const float4 *)(sp + (int64_t)i * V);
+        S[i][0] = x.x; S[i][1] = x.y; S[i][2] = x.z; S[i][3] = x.w;
+    }
+
+    /* inputs of token t; the next token's are loaded before this one's
+     * reduction so their latency overlaps it */
+    auto load_tok = [&](int64_t t, fq_rec_tok<RK> &x) {
+        const int64_t row = bos + t;
+        const int64_t qk_off = (row * args.H + hq) * K + r0;
+        fq_ld_vec<RK>(args.q, args.dtype, qk_off, x.q);
+        fq_ld_vec<RK>(args.k, args.dtype, qk_off, x.k);
+        fq_ld_vec<4>(args.v, args.dtype, (row * HV + j) * V + c0, x.v);
+        x.g = fq_ld_f(args.g, args.gate_dtype, row * HV + j);
+        x.b = fq_ld_f(args.beta, args.gate_dtype, row * HV + j);
+    };
+    fq_rec_tok<RK> cur;
+    if (len > 0) load_tok(0, cur);
+
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t row = bos + t;
+        fq_rec_tok<RK> nxt;
+        if (t + 1 < len) load_tok(t + 1, nxt);
+        const float *qv = cur.q, *kv = cur.k, *vv = cur.v;
+        const float gt = cur.g, bt = cur.b;
+
+        float part[FQ_REC_RED];
+#pragma unroll
+        for (int e = 0; e < FQ_REC_RED; e++) part[e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < RK; i++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                part[e] += S[i][e] * kv[i];
+                part[4 + e] += S[i][e] * qv[i];
+            }
+            part[8] += kv[i] * qv[i];
+            part[9] += kv[i] * kv[i];
+            part[10] += qv[i] * qv[i];
+        }
+        /* sum over the 4 row groups of the warp (lane bits 3, 4), then warps */
+#pragma unroll
+        for (int e = 0; e < FQ_REC_RED; e++) {
+            part[e] += __shfl_xor_sync(0xffffffffu, part[e], 8);
+            part[e] += __shfl_xor_sync(0xffffffffu, part[e], 16);
+        }
+        float(*rb)[8][FQ_REC_RED + 1] = red[t & 1];
+        if (lane < 8)
+#pragma unroll
+            for (int e = 0; e < FQ_REC_RED; e++) rb[warp][vg][e] = part[e];
+        __syncthreads();
+        float tot[FQ_REC_RED];
+#pragma unroll
+        for (int e = 0; e < FQ_REC_RED; e++)
+            tot[e] = rb[0][vg][e] + rb[1][vg][e] + rb[2][vg][e] + rb[3][vg][e];
+
+        float rq = 1.f, rk = 1.f;
+        if (args.l2norm) {
+            rk = rsqrtf(tot[9] + 1e-6f);
+            rq = rsqrtf(tot[10] + 1e-6f);
+        }
+        const float alpha = __expf(gt);
+        const float kq = tot[8] * rk * rq;
+        float u[4], ov[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            u[e] = bt * (vv[e] - alpha * rk * tot[e]);
+            ov[e] = args.scale * (alpha * rq * tot[4 + e] + u[e] * kq);
+        }
+        if (kg == 0) {
+            int64_t ob = (row * HV + j) * V + c0;
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) fq_st_f2(args.o, args.dtype, ob + e, ov[e], ov[e + 1]);
+        }
+#pragma unroll
+        for (int i = 0; i < RK; i++) {
+            float kn = rk * kv[i];
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[i][e] = alpha * S[i][e] + kn * u[e];
+        }
+        cur = nxt;
+    }
+
+#pragma unroll
+    for (int i = 0; i < RK; i++)
+        *(float4 *)(sp + (int64_t)i * V) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+}
+
+/* One block: flags[0] = 1 when cu_seqlens does not start at 0, decreases, or
+ * does not end at T. */
+__global__ void fq_rec_validate_kernel(const void *cu, int is64, int64_t N, int64_t T, int *flags)
+{
+    __shared__ int bad;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
+        int64_t c = fq_rec_index(cu, is64, i);
+        int b = c < 0 || c > T || (i == 0 && c != 0) || (i == N && c != T);
+        if (i > 0 && c < fq_rec_index(cu, is64, i - 1)) b = 1;
+        if (b) atomicOr(&bad, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) flags[0] = bad;
+}
+
+#define FQ_REC_WS 256
+
+extern "C" size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p)
+{
+    (void)p;
+    return FQ_REC_WS; /* the cu_seqlens validity flag */
+}
+
+static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
+{
+    cudaStream_t stream = (cudaStream_t)p->stream;
+    fq_rec_args a;
+    a.q = p->q; a.k = p->k; a.v = p->v; a.g = p->g; a.beta = p->beta;
+    a.dtype = p->dtype;
+    a.gate_dtype = p->gate_dtype;
+    a.cu = p->cu_seqlens;
+    a.cu_is64 = p->cu_seqlens_is_int64;
+    a.idx = p->state_indices;
+    a.idx_is64 = p->state_indices_is_int64;
+    a.flags = NULL;
+    a.state = (float *)p->state;
+    a.o = p->o;
+    a.P = p->P;
+    a.T = p->T;
+    a.H = (int)p->H;
+    a.HV = (int)p->HV;
+    a.V = (int)p->V;
+    a.l2norm = p->use_qk_l2norm;
+    a.scale = (float)p->scale;
+    if (p->cu_seqlens) {
+        if (!p->workspace || p->workspace_bytes < FQ_REC_WS)
+            return fq_fail(FQ_ERR_VALUE, "workspace: expected at least %d bytes, got %zu", FQ_REC_WS,
+                           p->workspace ? p->workspace_bytes : (size_t)0);
+        a.flags = (const int *)p->workspace;
+        fq_rec_validate_kernel<<<1, 256, 0, stream>>>(p->cu_seqlens, p->cu_seqlens_is_int64, p->N, p->T,
+                                                      (int *)p->workspace);
+        FQ_CUDA_CHECK_LAUNCH();
+    }
+    int64_t blocks = p->N * p->HV * (p->V / 32);
+    if (blocks <= 0) return FQ_OK;
+    if (p->K == 128) fq_recurrent_kernel<128><<<(unsigned)blocks, 128, 0, stream>>>(a);
+    else fq_recurrent_kernel<64><<<(unsigned)blocks, 128, 0, stream>>>(a);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_recurrent(const fq_gdn_params *p)
+{
+    fq_status st = fq_check_params_device(p, 'r');
+    if (st != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
+    if ((((uintptr_t)p->state | (uintptr_t)p->q | (uintptr_t)p->k | (uintptr_t)p->v) & 15) ||
+        (((uintptr_t)p->o) & 7))
+        return fq_fail(FQ_ERR_VALUE,
+                       "q, k, v, state, o: CUDA buffers must be 16-byte aligned (o: 8-byte)");
+    int prev = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != p->device) FQ_CUDA_CHECK(cudaSetDevice(p->device));
+    st = fq_recurrent_on_device(p);
+    if (prev != p->device) {
+        cudaError_t e = cudaSetDevice(prev);
+        if (st == FQ_OK && e != cudaSuccess)
+            st = fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__, cudaGetErrorString(e));
+    }
+    return st;
+}

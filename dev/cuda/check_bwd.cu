@@ -1,0 +1,721 @@
+/*
+ * check_bwd.cu — standalone check and timing of the CUDA chunked backward
+ * (csrc/gdn_cuda_bwd.cu) against a float64 token-by-token reference
+ * (forward recurrence of DESIGN §1 + reverse mode through it, BPTT with a
+ * checkpoint every 64 tokens). Build (repository root):
+ *
+ *   gcc -std=c11 -O2 -c csrc/gdn_common.c -o /tmp/gdn_common.o
+ *   nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Xcompiler -fopenmp \
+ *        -gencode arch=compute_90a,code=sm_90a -Icsrc dev/cuda/check_bwd.cu \
+ *        csrc/gdn_cuda_bwd.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu \
+ *        csrc/gdn_cuda_fwd_state.cu csrc/gdn_cuda_fwd_output.cu /tmp/gdn_common.o \
+ *        -o /tmp/check_bwd -lgomp
+ *   /tmp/check_bwd          (all checks, then timing)
+ *   /tmp/check_bwd time     (timing only)
+ *   /tmp/check_bwd small    (four small cases, for compute-sanitizer)
+ *   /tmp/check_bwd versions=1,3   (only these backward versions; default all)
+ * or simply: bash dev/cuda/run_check_bwd.sh
+ *
+ * Inputs follow DESIGN §3 (q, k L2-normalised unless the operator does it,
+ * beta = sigmoid(randn), g = -A_h softplus(0.5 randn + 1), A_h from 0 to 16);
+ * outputs are NaN-poisoned first; rel = ||out - ref|| / ||ref||; dq, dk, dv,
+ * dbeta, dh0 <= 1e-2, dg <= 2e-2, and no NaN/Inf anywhere. Exit status 1 on any
+ * failure.
+ */
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+#include <string>
+#include <algorithm>
+
+#include "gdn.h"
+
+extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev);
+extern "C" void fq_cuda_bwd_set_version(int v); /* 1..5: see gdn_cuda_bwd.cu */
+
+/* v1: first verified backward; v2: fused bwd_wy; v3 (default): fused
+ * bwd_local + bwd_wy, no qk_reduce; v4: v3 + 3-deep ring in bwd_state;
+ * v5: v3 + bwd_state2 (dS in registers) */
+#define NVER 5
+static const char *ver_name[NVER + 1] = {"", "v1", "v2", "v3", "v4", "v5"};
+/* the versions this run checks ("versions=1,2,3" on the command line; all by
+ * default); the first one is the reference of the timing cross-check */
+static std::vector<int> vers;
+
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));         \
+            exit(2);                                                                            \
+        }                                                                                       \
+    } while (0)
+
+/* ------------------------------------------------------------ random ---- */
+static uint64_t rng_s = 0x9e3779b97f4a7c15ull;
+static double urand(void)
+{
+    rng_s ^= rng_s << 13; rng_s ^= rng_s >> 7; rng_s ^= rng_s << 17;
+    return ((rng_s >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+static double nrand(void) { return sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand()); }
+
+/* ------------------------------------------------------ dtype on host ---- */
+static size_t dsz(fq_dtype d) { return d == FQ_F32 ? 4 : d == FQ_F64 ? 8 : 2; }
+static double round_to(fq_dtype d, double x)
+{
+    if (d == FQ_BF16) return (double)__bfloat162float(__float2bfloat16_rn((float)x));
+    if (d == FQ_F16) return (double)__half2float(__float2half_rn((float)x));
+    if (d == FQ_F32) return (double)(float)x;
+    return x;
+}
+static void put(fq_dtype d, void *p, size_t i, double x)
+{
+    if (d == FQ_BF16) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn((float)x);
+    else if (d == FQ_F16) ((__half *)p)[i] = __float2half_rn((float)x);
+    else if (d == FQ_F32) ((float *)p)[i] = (float)x;
+    else ((double *)p)[i] = x;
+}
+static double get(fq_dtype d, const void *p, size_t i)
+{
+    if (d == FQ_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    if (d == FQ_F16) return __half2float(((const __half *)p)[i]);
+    if (d == FQ_F32) return ((const float *)p)[i];
+    return ((const double *)p)[i];
+}
+
+/* ---------------------------------------------------------- the case ---- */
+struct Case {
+    const char *name;
+    int B, T, H, HV, K, V;
+    std::vector<int> seqlens; /* non-empty: cu_seqlens, B = 1 */
+    int l2norm, use_h0, use_dht;
+    fq_dtype dt;
+    double amax; /* A_h of the last head (heads spread 0..amax) */
+};
+
+struct Host {
+    int N, BT;
+    std::vector<int> bos, lens;
+    std::vector<double> q, k, v, g, beta, h0, dout, dht;     /* as used (rounded) */
+    std::vector<double> dq, dk, dv, dg, dbeta, dh0;         /* reference */
+};
+
+static void make_inputs(const Case &c, Host &h)
+{
+    if (c.seqlens.empty()) {
+        h.N = c.B;
+        for (int b = 0; b < c.B; b++) { h.bos.push_back(b * c.T); h.lens.push_back(c.T); }
+        h.BT = c.B * c.T;
+    } else {
+        h.N = (int)c.seqlens.size();
+        int off = 0;
+        for (int L : c.seqlens) { h.bos.push_back(off); h.lens.push_back(L); off += L; }
+        h.BT = off;
+    }
+    const int BT = h.BT, H = c.H, HV = c.HV, K = c.K, V = c.V, N = h.N;
+    h.q.resize((size_t)BT * H * K); h.k.resize(h.q.size());
+    h.v.resize((size_t)BT * HV * V); h.dout.resize(h.v.size());
+    h.g.resize((size_t)BT * HV); h.beta.resize(h.g.size());
+    h.h0.assign((size_t)N * HV * K * V, 0.0); h.dht.assign(h.h0.size(), 0.0);
+    for (size_t i = 0; i < (size_t)BT * H; i++) {
+        for (int which = 0; which < 2; which++) {
+            std::vector<double> &x = which ? h.k : h.q;
+            double ss = 0;
+            for (int e = 0; e < K; e++) { x[i * K + e] = nrand(); ss += x[i * K + e] * x[i * K + e]; }
+            for (int e = 0; e < K; e++) {
+                double y = c.l2norm ? x[i * K + e] : x[i * K + e] / sqrt(ss);
+                x[i * K + e] = round_to(c.dt, y);
+            }
+        }
+    }
+    for (auto &x : h.v) x = round_to(c.dt, nrand());
+    for (auto &x : h.dout) x = round_to(c.dt, nrand());
+    for (int t = 0; t < BT; t++)
+        for (int j = 0; j < HV; j++) {
+            double A = HV > 1 ? c.amax * j / (HV - 1) : c.amax;
+            double z = 0.5 * nrand() + 1;
+            double sp = z > 30 ? z : log1p(exp(z));
+            h.g[(size_t)t * HV + j] = (double)(float)(-A * sp);
+            h.beta[(size_t)t * HV + j] = (double)(float)(1 / (1 + exp(-nrand())));
+        }
+    if (c.use_h0) for (auto &x : h.h0) x = (double)(float)(0.5 * nrand());
+    if (c.use_dht) for (auto &x : h.dht) x = (double)(float)(0.1 * nrand());
+}
+
+/* Timing inputs (values do not matter, only their distribution): the same
+ * recipe, generated in parallel from a hash of the index. */
+static double hrand_u(uint64_t i)
+{
+    uint64_t z = i * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return ((z >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+static double hrand_n(uint64_t i) { return sqrt(-2 * log(hrand_u(2 * i))) * cos(6.283185307179586 * hrand_u(2 * i + 1)); }
+
+static void make_inputs_fast(const Case &c, Host &h)
+{
+    h.N = c.B;
+    for (int b = 0; b < c.B; b++) { h.bos.push_back(b * c.T); h.lens.push_back(c.T); }
+    h.BT = c.B * c.T;
+    const int64_t BT = h.BT, H = c.H, HV = c.HV, K = c.K, V = c.V, N = h.N;
+    h.q.resize((size_t)BT * H * K); h.k.resize(h.q.size());
+    h.v.resize((size_t)BT * HV * V); h.dout.resize(h.v.size());
+    h.g.resize((size_t)BT * HV); h.beta.resize(h.g.size());
+    h.h0.assign((size_t)N * HV * K * V, 0.0); h.dht.assign(h.h0.size(), 0.0);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < BT * H; i++) {
+        for (int which = 0; which < 2; which++) {
+            std::vector<double> &x = which ? h.k : h.q;
+            double ss = 0;
+            for (int e = 0; e < K; e++) {
+                x[i * K + e] = hrand_n((uint64_t)(which * BT * H + i) * K + e);
+                ss += x[i * K + e] * x[i * K + e];
+            }
+            for (int e = 0; e < K; e++) x[i * K + e] = round_to(c.dt, x[i * K + e] / sqrt(ss));
+        }
+    }
+    const uint64_t o1 = (uint64_t)4 * BT * H * K;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < BT * HV * V; i++) {
+        h.v[i] = round_to(c.dt, hrand_n(o1 + i));
+        h.dout[i] = round_to(c.dt, hrand_n(o1 + BT * HV * V + i));
+    }
+    const uint64_t o2 = o1 + (uint64_t)2 * BT * HV * V;
+    for (int64_t t = 0; t < BT; t++)
+        for (int j = 0; j < HV; j++) {
+            const int64_t i = t * HV + j;
+            double A = HV > 1 ? c.amax * j / (HV - 1) : c.amax;
+            double z = 0.5 * hrand_n(o2 + i) + 1;
+            double sp = z > 30 ? z : log1p(exp(z));
+            h.g[i] = (double)(float)(-A * sp);
+            h.beta[i] = (double)(float)(1 / (1 + exp(-hrand_n(o2 + BT * HV + i))));
+        }
+    for (size_t i = 0; i < h.h0.size(); i++) {
+        if (c.use_h0) h.h0[i] = (double)(float)(0.5 * hrand_n(o2 + 2 * BT * HV + i));
+        if (c.use_dht) h.dht[i] = (double)(float)(0.1 * hrand_n(o2 + 2 * BT * HV + h.h0.size() + i));
+    }
+}
+
+/* float64 reference: forward recurrence + reverse mode, per (sequence, value
+ * head); checkpoints of S every 64 tokens. */
+static void reference(const Case &c, Host &h, double scale)
+{
+    const int H = c.H, HV = c.HV, K = c.K, V = c.V, G = HV / H, BT = h.BT, N = h.N;
+    const size_t KV = (size_t)K * V;
+    h.dq.assign((size_t)BT * H * K, 0); h.dk.assign(h.dq.size(), 0);
+    h.dv.assign((size_t)BT * HV * V, 0); h.dg.assign((size_t)BT * HV, 0); h.dbeta.assign(h.dg.size(), 0);
+    h.dh0.assign((size_t)N * HV * KV, 0);
+    /* normalised q, k */
+    std::vector<double> qn(h.q), kn(h.k), rq((size_t)BT * H, 1.0), rk((size_t)BT * H, 1.0);
+    if (c.l2norm) {
+        for (size_t i = 0; i < (size_t)BT * H; i++) {
+            double sq = 0, sk = 0;
+            for (int e = 0; e < K; e++) { sq += h.q[i * K + e] * h.q[i * K + e]; sk += h.k[i * K + e] * h.k[i * K + e]; }
+            rq[i] = 1 / sqrt(sq + 1e-6); rk[i] = 1 / sqrt(sk + 1e-6);
+            for (int e = 0; e < K; e++) { qn[i * K + e] *= rq[i]; kn[i * K + e] *= rk[i]; }
+        }
+    }
+    /* per value head partials of dq_hat, dk_hat (summed over groups later) */
+    std::vector<double> dqp((size_t)BT * HV * K, 0), dkp((size_t)BT * HV * K, 0);
+#pragma omp parallel for schedule(dynamic) collapse(2)
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < HV; j++) {
+            const int T = h.lens[n], bos = h.bos[n], hq = j / G;
+            const int nck = (T + 63) / 64;
+            std::vector<double> S(KV), ck((size_t)(nck + 1) * KV), seg((size_t)65 * KV), dS(KV), kS(V), u(V), du(V), dkS(V);
+            for (size_t i = 0; i < KV; i++) S[i] = h.h0[((size_t)n * HV + j) * KV + i];
+            auto step = [&](int t, const double *Sp, double *Sn) {
+                const size_t row = (size_t)(bos + t);
+                const double *kk = &kn[(row * H + hq) * K];
+                const double *vv = &h.v[(row * HV + j) * V];
+                const double a = exp(h.g[row * HV + j]), b = h.beta[row * HV + j];
+                for (int e = 0; e < V; e++) kS[e] = 0;
+                for (int i = 0; i < K; i++) for (int e = 0; e < V; e++) kS[e] += Sp[(size_t)i * V + e] * kk[i];
+                for (int e = 0; e < V; e++) u[e] = b * (vv[e] - a * kS[e]);
+                for (int i = 0; i < K; i++) for (int e = 0; e < V; e++) Sn[(size_t)i * V + e] = a * Sp[(size_t)i * V + e] + kk[i] * u[e];
+            };
+            std::vector<double> tmp(KV);
+            for (int t = 0; t < T; t++) {
+                if (t % 64 == 0) memcpy(&ck[(size_t)(t / 64) * KV], S.data(), KV * 8);
+                step(t, S.data(), tmp.data());
+                S.swap(tmp);
+            }
+            for (size_t i = 0; i < KV; i++) dS[i] = h.dht[((size_t)n * HV + j) * KV + i];
+            for (int cI = nck - 1; cI >= 0; cI--) {
+                const int t0 = cI * 64, t1 = std::min(T, t0 + 64);
+                memcpy(&seg[0], &ck[(size_t)cI * KV], KV * 8);
+                for (int t = t0; t < t1; t++) step(t, &seg[(size_t)(t - t0) * KV], &seg[(size_t)(t - t0 + 1) * KV]);
+                for (int t = t1 - 1; t >= t0; t--) {
+                    const double *Sp = &seg[(size_t)(t - t0) * KV], *Sn = &seg[(size_t)(t - t0 + 1) * KV];
+                    const size_t row = (size_t)(bos + t);
+                    const double *qq = &qn[(row * H + hq) * K], *kk = &kn[(row * H + hq) * K];
+                    const double *vv = &h.v[(row * HV + j) * V], *dd = &h.dout[(row * HV + j) * V];
+                    const double a = exp(h.g[row * HV + j]), b = h.beta[row * HV + j];
+                    double *dqr = &dqp[(row * HV + j) * K], *dkr = &dkp[(row * HV + j) * K];
+                    /* o = scale S_t^T q */
+                    for (int i = 0; i < K; i++) {
+                        double s = 0;
+                        for (int e = 0; e < V; e++) { s += Sn[(size_t)i * V + e] * dd[e]; dS[(size_t)i * V + e] += scale * qq[i] * dd[e]; }
+                        dqr[i] += scale * s;
+                    }
+                    /* recompute kS, u */
+                    for (int e = 0; e < V; e++) kS[e] = 0;
+                    for (int i = 0; i < K; i++) for (int e = 0; e < V; e++) kS[e] += Sp[(size_t)i * V + e] * kk[i];
+                    for (int e = 0; e < V; e++) u[e] = b * (vv[e] - a * kS[e]);
+                    /* S_t = a S_{t-1} + k u^T */
+                    double da = 0;
+                    for (int e = 0; e < V; e++) du[e] = 0;
+                    for (int i = 0; i < K; i++) {
+                        double s = 0;
+                        for (int e = 0; e < V; e++) {
+                            const double x = dS[(size_t)i * V + e];
+                            du[e] += x * kk[i];
+                            s += x * u[e];
+                            da += x * Sp[(size_t)i * V + e];
+                        }
+                        dkr[i] += s;
+                    }
+                    /* u = b (v - a kS) */
+                    double db = 0;
+                    for (int e = 0; e < V; e++) {
+                        h.dv[(row * HV + j) * V + e] = b * du[e];
+                        db += du[e] * (vv[e] - a * kS[e]);
+                        dkS[e] = -b * a * du[e];
+                        da += -b * du[e] * kS[e];
+                    }
+                    h.dbeta[row * HV + j] = db;
+                    h.dg[row * HV + j] = a * da;
+                    /* kS = S_{t-1}^T k;  dS_{t-1} = a dS + k dkS^T */
+                    for (int i = 0; i < K; i++) {
+                        double s = 0;
+                        for (int e = 0; e < V; e++) {
+                            s += Sp[(size_t)i * V + e] * dkS[e];
+                            dS[(size_t)i * V + e] = a * dS[(size_t)i * V + e] + kk[i] * dkS[e];
+                        }
+                        dkr[i] += s;
+                    }
+                }
+            }
+            for (size_t i = 0; i < KV; i++) h.dh0[((size_t)n * HV + j) * KV + i] = dS[i];
+        }
+    for (int t = 0; t < BT; t++)
+        for (int hq = 0; hq < H; hq++) {
+            const size_t vi = (size_t)t * H + hq;
+            for (int which = 0; which < 2; which++) {
+                std::vector<double> &part = which ? dkp : dqp;
+                std::vector<double> &out = which ? h.dk : h.dq;
+                const std::vector<double> &raw = which ? h.k : h.q;
+                const double r = which ? rk[vi] : rq[vi];
+                std::vector<double> d(K, 0);
+                for (int jj = 0; jj < G; jj++)
+                    for (int e = 0; e < K; e++) d[e] += part[((size_t)t * HV + hq * G + jj) * K + e];
+                if (c.l2norm) {
+                    double dot = 0;
+                    for (int e = 0; e < K; e++) dot += raw[vi * K + e] * r * d[e];
+                    for (int e = 0; e < K; e++) d[e] = r * (d[e] - raw[vi * K + e] * r * dot);
+                }
+                for (int e = 0; e < K; e++) out[vi * K + e] = d[e];
+            }
+        }
+}
+
+/* ------------------------------------------------------- device side ---- */
+struct Dev {
+    void *q, *k, *v, *g, *beta, *dout, *dq, *dk, *dv, *dg, *dbeta;
+    float *h0, *dht, *dh0;
+    int *cu;
+    void *ws;
+    size_t wsb;
+};
+
+static void *upload(const std::vector<double> &x, fq_dtype d)
+{
+    std::vector<char> buf(x.size() * dsz(d) + 16);
+    for (size_t i = 0; i < x.size(); i++) put(d, buf.data(), i, x[i]);
+    void *p = NULL;
+    CK(cudaMalloc(&p, buf.size()));
+    CK(cudaMemcpy(p, buf.data(), buf.size(), cudaMemcpyHostToDevice));
+    return p;
+}
+static void *poisoned(size_t n, fq_dtype d)
+{
+    void *p = NULL;
+    CK(cudaMalloc(&p, n * dsz(d) + 16));
+    CK(cudaMemset(p, 0xff, n * dsz(d) + 16)); /* NaN in every float format */
+    return p;
+}
+static std::vector<double> download(const void *p, size_t n, fq_dtype d)
+{
+    std::vector<char> buf(n * dsz(d) + 16);
+    CK(cudaMemcpy(buf.data(), p, n * dsz(d), cudaMemcpyDeviceToHost));
+    std::vector<double> x(n);
+    for (size_t i = 0; i < n; i++) x[i] = get(d, buf.data(), i);
+    return x;
+}
+
+static void setup(const Case &c, const Host &h, fq_gdn_params &p, Dev &d, double scale)
+{
+    memset(&d, 0, sizeof d);
+    fq_params_init(&p);
+    p.B = c.seqlens.empty() ? c.B : 1;
+    p.T = c.seqlens.empty() ? c.T : h.BT;
+    p.H = c.H; p.HV = c.HV; p.K = c.K; p.V = c.V; p.N = h.N;
+    p.dtype = c.dt; p.gate_dtype = FQ_F32; p.state_dtype = FQ_F32;
+    p.scale = scale; p.use_qk_l2norm = c.l2norm;
+    const fq_dtype dt = c.dt == FQ_F64 ? FQ_BF16 : c.dt; /* F64: only the refusal is checked */
+    d.q = upload(h.q, dt); d.k = upload(h.k, dt); d.v = upload(h.v, dt);
+    d.g = upload(h.g, FQ_F32); d.beta = upload(h.beta, FQ_F32); d.dout = upload(h.dout, dt);
+    if (c.use_h0) d.h0 = (float *)upload(h.h0, FQ_F32);
+    if (c.use_dht) d.dht = (float *)upload(h.dht, FQ_F32);
+    const size_t BT = h.BT;
+    d.dq = poisoned(BT * c.H * c.K, dt); d.dk = poisoned(BT * c.H * c.K, dt);
+    d.dv = poisoned(BT * c.HV * c.V, dt);
+    d.dg = poisoned(BT * c.HV, FQ_F32); d.dbeta = poisoned(BT * c.HV, FQ_F32);
+    if (c.use_h0) d.dh0 = (float *)poisoned((size_t)h.N * c.HV * c.K * c.V, FQ_F32);
+    if (!c.seqlens.empty()) {
+        std::vector<int> cu(h.N + 1, 0);
+        for (int i = 0; i < h.N; i++) cu[i + 1] = cu[i] + h.lens[i];
+        CK(cudaMalloc((void **)&d.cu, cu.size() * 4));
+        CK(cudaMemcpy(d.cu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+    }
+    p.q = d.q; p.k = d.k; p.v = d.v; p.g = d.g; p.beta = d.beta; p.h0 = d.h0;
+    p.cu_seqlens = d.cu; p.cu_seqlens_is_int64 = 0;
+    p.dout = d.dout; p.dht = d.dht; p.dq = d.dq; p.dk = d.dk; p.dv = d.dv; p.dg = d.dg;
+    p.dbeta = d.dbeta; p.dh0 = d.dh0;
+    p.device = 0; p.stream = NULL;
+    d.wsb = fq_cuda_chunk_bwd_workspace_bytes(&p);
+    CK(cudaMalloc(&d.ws, d.wsb ? d.wsb : 16));
+    CK(cudaMemset(d.ws, 0xff, d.wsb ? d.wsb : 16)); /* garbage, not zeros */
+    p.workspace = d.ws; p.workspace_bytes = d.wsb;
+    p.dtype = c.dt; /* restore F64 for the refusal case */
+}
+
+static void release(Dev &d)
+{
+    void *ptrs[] = {d.q, d.k, d.v, d.g, d.beta, d.dout, d.dq, d.dk, d.dv, d.dg, d.dbeta, d.h0, d.dht, d.dh0, d.cu, d.ws};
+    for (void *x : ptrs) if (x) CK(cudaFree(x));
+}
+
+static int nfail = 0;
+
+/* summary tables, printed at the end */
+struct CaseResult { std::string name; int ok[NVER + 1]; double worst[NVER + 1]; };
+static std::vector<CaseResult> results;
+struct TimeResult {
+    char label[64];
+    double fla;
+    float total[NVER + 1], eager[NVER + 1], stage[NVER + 1][5];
+    int same[NVER + 1];
+    double diff[NVER + 1][4]; /* rel. difference to vers[0]: dq, dk, dv, dg */
+};
+static std::vector<TimeResult> timings;
+
+static double relerr(const std::vector<double> &a, const std::vector<double> &r, int *nonfinite)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        if (!std::isfinite(a[i])) (*nonfinite)++;
+        num += (a[i] - r[i]) * (a[i] - r[i]);
+        den += r[i] * r[i];
+    }
+    return sqrt(num) / (den > 0 ? sqrt(den) : 1.0);
+}
+
+static void run_case(const Case &c)
+{
+    Host h;
+    make_inputs(c, h);
+    const double scale = 1.0 / sqrt((double)c.K);
+    CaseResult res;
+    res.name = c.name;
+    if (c.dt != FQ_F64) reference(c, h, scale);
+    for (int ver : vers) {
+        fq_cuda_bwd_set_version(ver);
+        res.ok[ver] = 0;
+        res.worst[ver] = 0;
+        fq_gdn_params p;
+        Dev d;
+        setup(c, h, p, d, scale);
+        fq_status st = fq_cuda_chunk_bwd(&p);
+        if (c.dt == FQ_F64) {
+            printf("[%s] %-34s F64 -> status %d (%s) %s\n", ver_name[ver], c.name, (int)st, fq_last_error(),
+                   st == FQ_ERR_TYPE ? "ok" : "FAIL");
+            res.ok[ver] = st == FQ_ERR_TYPE;
+            if (st != FQ_ERR_TYPE) nfail++;
+            release(d);
+            continue;
+        }
+        if (st != FQ_OK) {
+            printf("[%s] %-34s FAIL status %d: %s\n", ver_name[ver], c.name, (int)st, fq_last_error());
+            nfail++;
+            release(d);
+            continue;
+        }
+        CK(cudaDeviceSynchronize());
+        CK(cudaGetLastError());
+        const size_t BT = h.BT;
+        struct { const char *n; std::vector<double> got, *ref; double tol; } outs[6] = {
+            {"dq", download(d.dq, BT * c.H * c.K, c.dt), &h.dq, 1e-2},
+            {"dk", download(d.dk, BT * c.H * c.K, c.dt), &h.dk, 1e-2},
+            {"dv", download(d.dv, BT * c.HV * c.V, c.dt), &h.dv, 1e-2},
+            {"dg", download(d.dg, BT * c.HV, FQ_F32), &h.dg, 2e-2},
+            {"dbeta", download(d.dbeta, BT * c.HV, FQ_F32), &h.dbeta, 1e-2},
+            {"dh0", c.use_h0 ? download(d.dh0, (size_t)h.N * c.HV * c.K * c.V, FQ_F32) : std::vector<double>(), &h.dh0, 1e-2},
+        };
+        int ok = 1;
+        printf("[%s] %-34s", ver_name[ver], c.name);
+        for (int i = 0; i < 6; i++) {
+            if (i == 5 && !c.use_h0) continue;
+            int nonfin = 0;
+            double e = relerr(outs[i].got, *outs[i].ref, &nonfin);
+            int pass = nonfin == 0 && e <= outs[i].tol;
+            ok &= pass;
+            res.worst[ver] = std::max(res.worst[ver], nonfin ? INFINITY : e);
+            printf(" %s=%.2e%s", outs[i].n, e, nonfin ? "(NaN!)" : (pass ? "" : "(!)"));
+        }
+        printf("  %s\n", ok ? "ok" : "FAIL");
+        fflush(stdout);
+        res.ok[ver] = ok;
+        if (!ok) nfail++;
+        release(d);
+    }
+    results.push_back(res);
+}
+
+/* invalid cu_seqlens (decreasing): every output NaN, nothing out of bounds */
+static void run_invalid(void)
+{
+    Case c = {"invalid cu_seqlens -> NaN", 1, 0, 1, 1, 64, 64, {50, 30, 20}, 0, 1, 1, FQ_BF16, 2};
+    Host h;
+    make_inputs(c, h);
+    CaseResult res;
+    res.name = c.name;
+    for (int ver : vers) {
+        fq_cuda_bwd_set_version(ver);
+        fq_gdn_params p;
+        Dev d;
+        setup(c, h, p, d, 0.125);
+        int bad[4] = {0, 50, 40, 100};
+        CK(cudaMemcpy(d.cu, bad, 16, cudaMemcpyHostToDevice));
+        CK(cudaMemset(d.dq, 0, (size_t)h.BT * 64 * 2));
+        CK(cudaMemset(d.dg, 0, (size_t)h.BT * 4));
+        fq_status st = fq_cuda_chunk_bwd(&p);
+        CK(cudaDeviceSynchronize());
+        std::vector<double> dq = download(d.dq, (size_t)h.BT * 64, FQ_BF16), dg = download(d.dg, h.BT, FQ_F32);
+        int allnan = 1;
+        for (double x : dq) allnan &= std::isnan(x);
+        for (double x : dg) allnan &= std::isnan(x);
+        const int ok = st == FQ_OK && allnan;
+        printf("[%s] %-34s status %d, outputs NaN: %s  %s\n", ver_name[ver], c.name, (int)st, allnan ? "yes" : "no",
+               ok ? "ok" : "FAIL");
+        res.ok[ver] = ok;
+        res.worst[ver] = 0;
+        if (!ok) nfail++;
+        release(d);
+    }
+    results.push_back(res);
+}
+
+/* ------------------------------------------------------------ timing ---- */
+static std::vector<uint16_t> raw16(const void *p, size_t n)
+{
+    std::vector<uint16_t> x(n);
+    CK(cudaMemcpy(x.data(), p, n * 2, cudaMemcpyDeviceToHost));
+    return x;
+}
+static double reldiff16(const std::vector<uint16_t> &a, const std::vector<uint16_t> &r)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        uint32_t ua = (uint32_t)a[i] << 16, ur = (uint32_t)r[i] << 16;
+        float fa, fr;
+        memcpy(&fa, &ua, 4); memcpy(&fr, &ur, 4);
+        if (!std::isfinite(fa)) return INFINITY;
+        num += ((double)fa - fr) * ((double)fa - fr);
+        den += (double)fr * fr;
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+static double reldiff32(const std::vector<float> &a, const std::vector<float> &r)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        if (!std::isfinite(a[i])) return INFINITY;
+        num += ((double)a[i] - r[i]) * ((double)a[i] - r[i]);
+        den += (double)r[i] * r[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+static void time_case(int B, int T, int H, int HV, double fla_ms)
+{
+    Case c = {"timing", B, T, H, HV, 128, 128, {}, 0, 1, 1, FQ_BF16, 16};
+    Host h;
+    make_inputs_fast(c, h);
+    fq_gdn_params p;
+    Dev d;
+    setup(c, h, p, d, 1.0 / sqrt(128.0));
+    h = Host(); /* free host memory */
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    p.stream = s;
+    cudaEvent_t e0, e1, ev[5];
+    CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    for (int i = 0; i < 5; i++) CK(cudaEventCreate(&ev[i]));
+    TimeResult tr;
+    memset(&tr, 0, sizeof tr);
+    snprintf(tr.label, sizeof tr.label, "%d/%d %dx%d", H, HV, B, T);
+    tr.fla = fla_ms;
+    const size_t nqk = (size_t)B * T * H * 128, nv = (size_t)B * T * HV * 128, ng = (size_t)B * T * HV;
+    std::vector<uint16_t> ref_dq, ref_dk, ref_dv;
+    std::vector<float> ref_dg;
+    auto med = [](std::vector<float> x) { std::sort(x.begin(), x.end()); return x[x.size() / 2]; };
+    for (int ver : vers) {
+        fq_cuda_bwd_set_version(ver);
+        for (int i = 0; i < 3; i++)
+            if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("timing: %s\n", fq_last_error()); nfail++; return; }
+        CK(cudaStreamSynchronize(s));
+        CK(cudaGetLastError());
+        std::vector<float> eager, graph, stage[5];
+        for (int it = 0; it < 10; it++) {
+            CK(cudaEventRecord(e0, s));
+            fq_cuda_chunk_bwd(&p);
+            CK(cudaEventRecord(e1, s));
+            CK(cudaEventSynchronize(e1));
+            float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); eager.push_back(ms);
+        }
+        for (int it = 0; it < 10; it++) {
+            CK(cudaEventRecord(e0, s));
+            fq_cuda_bwd_run(&p, ev);
+            CK(cudaEventSynchronize(ev[4]));
+            float prev = 0;
+            for (int i = 0; i < 5; i++) {
+                float ms; CK(cudaEventElapsedTime(&ms, e0, ev[i])); stage[i].push_back(ms - prev); prev = ms;
+            }
+        }
+        /* outputs of this version (eager) */
+        std::vector<uint16_t> o_dq = raw16(d.dq, nqk), o_dk = raw16(d.dk, nqk), o_dv = raw16(d.dv, nv);
+        std::vector<float> o_dg(ng);
+        CK(cudaMemcpy(o_dg.data(), d.dg, ng * 4, cudaMemcpyDeviceToHost));
+        if (ver == vers[0]) {
+            ref_dq = o_dq; ref_dk = o_dk; ref_dv = o_dv; ref_dg = o_dg;
+        }
+        tr.diff[ver][0] = reldiff16(o_dq, ref_dq);
+        tr.diff[ver][1] = reldiff16(o_dk, ref_dk);
+        tr.diff[ver][2] = reldiff16(o_dv, ref_dv);
+        tr.diff[ver][3] = reldiff32(o_dg, ref_dg);
+        /* CUDA graph: capture one backward, replay; result must equal the eager one */
+        cudaGraph_t gr; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        fq_status st = fq_cuda_chunk_bwd(&p);
+        CK(cudaStreamEndCapture(s, &gr));
+        if (st != FQ_OK) { printf("capture failed: %s\n", fq_last_error()); nfail++; return; }
+        CK(cudaGraphInstantiate(&ge, gr, 0));
+        CK(cudaMemset(d.dq, 0xff, nqk * 2));
+        CK(cudaMemset(d.dk, 0xff, nqk * 2));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaStreamSynchronize(s));
+        const int same = raw16(d.dq, nqk) == o_dq && raw16(d.dk, nqk) == o_dk;
+        if (!same) nfail++;
+        for (int it = 0; it < 13; it++) {
+            CK(cudaEventRecord(e0, s));
+            CK(cudaGraphLaunch(ge, s));
+            CK(cudaEventRecord(e1, s));
+            CK(cudaEventSynchronize(e1));
+            float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (it >= 3) graph.push_back(ms);
+        }
+        tr.total[ver] = med(graph);
+        tr.eager[ver] = med(eager);
+        tr.same[ver] = same;
+        for (int i = 0; i < 5; i++) tr.stage[ver][i] = med(stage[i]);
+        printf("[%s] bwd H=%d HV=%d %dx%d K=V=128: graph %.3f ms  eager %.3f ms  (graph == eager: %s)  ws %.2f GB"
+               "  diff vs %s: dq %.1e dk %.1e dv %.1e dg %.1e\n",
+               ver_name[ver], H, HV, B, T, tr.total[ver], tr.eager[ver], same ? "yes" : "NO", d.wsb / 1e9, ver_name[vers[0]],
+               tr.diff[ver][0], tr.diff[ver][1], tr.diff[ver][2], tr.diff[ver][3]);
+        printf("     stages: recompute(prep+wy+state) %.3f  local %.3f  state_bwd %.3f  wy_bwd %.3f  qk_reduce %.3f ms\n",
+               tr.stage[ver][0], tr.stage[ver][1], tr.stage[ver][2], tr.stage[ver][3], tr.stage[ver][4]);
+        fflush(stdout);
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(gr));
+    }
+    timings.push_back(tr);
+    CK(cudaStreamDestroy(s));
+    release(d);
+}
+
+static void print_summary(void)
+{
+    printf("\n================================ summary ================================\n");
+    printf("correctness (worst rel. error over dq, dk, dv, dg, dbeta, dh0; limits 1e-2 / dg 2e-2)\n");
+    printf("%-36s", "case");
+    for (int v : vers) printf(" %-16s", ver_name[v]);
+    printf("\n");
+    for (auto &r : results) {
+        printf("%-36s", r.name.c_str());
+        for (int v : vers) {
+            char b[32];
+            snprintf(b, sizeof b, "%s %.1e", r.ok[v] ? "ok" : "FAIL", r.worst[v]);
+            printf(" %-16s", b);
+        }
+        printf("\n");
+    }
+    printf("\ntimes (ms, CUDA-graph replay, median; stages from events: rec = recompute, loc = bwd_local,\n"
+           "st = bwd_state, wy = bwd_wy, red = qk_reduce); FLA from ANCHORS.md\n");
+    printf("%-16s %6s | %-5s %7s %6s %6s %6s %6s %6s %8s %s\n", "shape", "FLA", "ver", "total", "rec", "loc", "st",
+           "wy", "red", "FLA/ours", "graph==eager");
+    for (auto &t : timings)
+        for (int v : vers)
+            printf("%-16s %6.3f | %-5s %7.3f %6.3f %6.3f %6.3f %6.3f %6.3f %8.2f %s\n", v == vers[0] ? t.label : "",
+                   t.fla, ver_name[v], t.total[v], t.stage[v][0], t.stage[v][1], t.stage[v][2], t.stage[v][3],
+                   t.stage[v][4], t.fla / t.total[v], t.same[v] ? "yes" : "NO");
+}
+
+int main(int argc, char **argv)
+{
+    int only_time = 0, small = 0; /* small: four cases, for compute-sanitizer */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "time")) only_time = 1;
+        else if (!strcmp(argv[i], "small")) small = 1;
+        else if (!strncmp(argv[i], "versions=", 9)) {
+            for (const char *c = argv[i] + 9; *c; c++)
+                if (*c >= '1' && *c <= '0' + NVER) vers.push_back(*c - '0');
+        }
+    }
+    if (vers.empty()) for (int v = 1; v <= NVER; v++) vers.push_back(v);
+    if (!only_time) {
+        std::vector<Case> cases = {
+            {"T=200 B=2 GVA2 h0 dht", 2, 200, 2, 4, 128, 128, {}, 0, 1, 1, FQ_BF16, 16},
+            {"T=200 GVA4 K64 l2 no-h0 no-dht", 1, 200, 1, 4, 64, 64, {}, 1, 0, 0, FQ_BF16, 16},
+            {"varlen K128 GVA1 l2 h0 dht", 1, 0, 2, 2, 128, 128, {1, 63, 64, 65, 300, 0}, 1, 1, 1, FQ_BF16, 16},
+            {"varlen K64 GVA2 dht", 1, 0, 1, 2, 64, 64, {0, 1, 63, 64, 65, 300}, 0, 0, 1, FQ_BF16, 16},
+            {"T=130 fp16 GVA2 l2 h0", 1, 130, 1, 2, 128, 128, {}, 1, 1, 0, FQ_F16, 8},
+            {"T=130 fp32 in K128 V64 h0", 1, 130, 1, 1, 128, 64, {}, 0, 1, 1, FQ_F32, 4},
+            {"T=130 K64 V128 GVA2 l2 h0", 1, 130, 1, 2, 64, 128, {}, 1, 1, 1, FQ_BF16, 16},
+            {"float64 refused", 1, 10, 1, 1, 64, 64, {}, 0, 0, 0, FQ_F64, 1},
+            {"T=8192 HV=2 A=0,16 h0 dht", 1, 8192, 1, 2, 128, 128, {}, 0, 1, 1, FQ_BF16, 16},
+            {"T=8192 HV=1 A=2 l2 h0", 1, 8192, 1, 1, 128, 128, {}, 1, 1, 0, FQ_BF16, 2},
+        };
+        for (size_t i = 0; i < (small ? 4 : cases.size()); i++) run_case(cases[i]);
+        run_invalid();
+    }
+    if (!small) {
+        /* the backward rows of ANCHORS.md */
+        time_case(1, 8192, 16, 32, 1.483);
+        time_case(1, 32768, 16, 32, 5.853);
+        time_case(8, 4096, 16, 32, 5.901);
+        time_case(1, 32768, 4, 8, 2.735);
+        time_case(1, 32768, 2, 4, 2.295);
+    }
+    print_summary();
+    printf("%s (%d failures)\n", nfail ? "FAILED" : "ALL OK", nfail);
+    return nfail ? 1 : 0;
+}

@@ -1,0 +1,874 @@
+/*
+ * dev/cuda/check_fwd.cu — standalone check of the CUDA chunked forward
+ * (fq_cuda_chunk_fwd) and recurrent step (fq_cuda_recurrent) against a
+ * float64 token-by-token reference of DESIGN §1, then CUDA-event timings.
+ *
+ * Build and run (from the repository root):
+ *
+ *   gcc -std=c11 -O2 -c csrc/gdn_common.c -o /tmp/gdn_common.o && \
+ *   nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc \
+ *        -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80 \
+ *        -o /tmp/check_fwd dev/cuda/check_fwd.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu \
+ *        csrc/gdn_cuda_fwd_state.cu csrc/gdn_cuda_fwd_output.cu csrc/gdn_cuda_recurrent.cu \
+ *        /tmp/gdn_common.o && /tmp/check_fwd
+ *
+ * Stages A, B and C exist in two versions (v1: the step-1 kernels, v2: the
+ * rewrites; gdn_cuda_common.cuh); every chunked check runs both (fq_cuda_fwd_set_v1)
+ * and stage B's column widths explicitly (bvNN), the intermediates of the two
+ * versions are compared with each other, and the timings list both. The last
+ * lines are a summary table. Modes: `/tmp/check_fwd` (everything),
+ * `quick` (no T = 32768 case, no timings), `tiny` (four small problems, every
+ * kernel variant: memcheck, forced PTX JIT), `race` (two, for racecheck).
+ * Inputs
+ * follow DESIGN §3: q, k L2-normalised (raw randn with use_qk_l2norm),
+ * beta = sigmoid(randn), g = -A_h softplus(0.5 randn + 1) with A_h from 0 to
+ * 16 across heads. Outputs are NaN-poisoned before every run. Exit status 1
+ * if any check fails.
+ */
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+#include <algorithm>
+
+#include "gdn.h"
+#include "gdn_cuda_common.cuh"
+
+#define CK(call)                                                                         \
+    do {                                                                                 \
+        cudaError_t e_ = (call);                                                         \
+        if (e_ != cudaSuccess) {                                                         \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+            exit(2);                                                                     \
+        }                                                                                \
+    } while (0)
+
+static int g_fail = 0;
+
+/* ------------------------------------------------------------ random ---- */
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static double urand(void)
+{
+    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+    return ((rng_state >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+static int g_fast_rand = 0; /* timing inputs: a cheap stand-in with unit variance */
+static double randn(void)
+{
+    if (g_fast_rand) return (urand() + urand() + urand() - 1.5) * 2.0;
+    return sqrt(-2.0 * log(urand())) * cos(6.283185307179586 * urand());
+}
+
+/* value as stored in dtype dt, read back as float (what the kernel sees) */
+static float round_to(float x, fq_dtype dt)
+{
+    if (dt == FQ_BF16) return __bfloat162float(__float2bfloat16(x));
+    if (dt == FQ_F16) return __half2float(__float2half(x));
+    return x;
+}
+static void store_as(void *dst, fq_dtype dt, size_t i, float x)
+{
+    if (dt == FQ_BF16) ((__nv_bfloat16 *)dst)[i] = __float2bfloat16(x);
+    else if (dt == FQ_F16) ((__half *)dst)[i] = __float2half(x);
+    else ((float *)dst)[i] = x;
+}
+static float load_as(const void *src, fq_dtype dt, size_t i)
+{
+    if (dt == FQ_BF16) return __bfloat162float(((const __nv_bfloat16 *)src)[i]);
+    if (dt == FQ_F16) return __half2float(((const __half *)src)[i]);
+    return ((const float *)src)[i];
+}
+
+/* ---------------------------------------------------------- problem ---- */
+struct Problem {
+    int B, T, H, HV, K, V, N;
+    fq_dtype dt, gdt;
+    int l2norm, has_h0, want_ht;
+    std::vector<int64_t> cu; /* empty: no cu_seqlens */
+    double scale;
+    /* host inputs as the kernels see them (rounded to dt) */
+    std::vector<float> q, k, v, g, beta, h0;
+};
+
+static void make_inputs(Problem &pb, double amax)
+{
+    size_t nq = (size_t)pb.B * pb.T * pb.H * pb.K, nv = (size_t)pb.B * pb.T * pb.HV * pb.V;
+    size_t ng = (size_t)pb.B * pb.T * pb.HV;
+    pb.q.resize(nq); pb.k.resize(nq); pb.v.resize(nv); pb.g.resize(ng); pb.beta.resize(ng);
+    for (size_t r = 0; r < (size_t)pb.B * pb.T * pb.H; r++) {
+        for (int which = 0; which < 2; which++) {
+            float *x = (which ? pb.k.data() : pb.q.data()) + r * pb.K;
+            double ss = 0;
+            for (int i = 0; i < pb.K; i++) { x[i] = (float)randn(); ss += (double)x[i] * x[i]; }
+            double f = pb.l2norm ? 1.0 : 1.0 / sqrt(ss);
+            for (int i = 0; i < pb.K; i++) x[i] = round_to((float)(x[i] * f), pb.dt);
+        }
+    }
+    for (size_t i = 0; i < nv; i++) pb.v[i] = round_to((float)randn(), pb.dt);
+    for (size_t r = 0; r < (size_t)pb.B * pb.T; r++)
+        for (int j = 0; j < pb.HV; j++) {
+            double A = pb.HV > 1 ? amax * j / (pb.HV - 1) : amax;
+            double z = 0.5 * randn() + 1.0;
+            double sp = z > 20 ? z : log1p(exp(z));
+            pb.g[r * pb.HV + j] = round_to((float)(-A * sp), pb.gdt);
+            pb.beta[r * pb.HV + j] = round_to((float)(1.0 / (1.0 + exp(-randn()))), pb.gdt);
+        }
+    pb.N = pb.cu.empty() ? pb.B : (int)pb.cu.size() - 1;
+    pb.h0.assign((size_t)pb.N * pb.HV * pb.K * pb.V, 0.f);
+    if (pb.has_h0)
+        for (auto &x : pb.h0) x = (float)(0.5 * randn());
+    pb.scale = 1.0 / sqrt((double)pb.K);
+}
+
+/* float64 token-by-token reference of DESIGN §1 for the sequences; state
+ * array [N, HV, K, V] in/out. */
+static void reference(const Problem &pb, std::vector<double> &o, std::vector<double> &st)
+{
+    int K = pb.K, V = pb.V, HV = pb.HV, G = pb.HV / pb.H;
+    o.assign((size_t)pb.B * pb.T * HV * V, 0.0);
+    std::vector<double> S((size_t)K * V), q(K), k(K), sk(V), u(V);
+    for (int n = 0; n < pb.N; n++) {
+        int64_t bos = pb.cu.empty() ? (int64_t)n * pb.T : pb.cu[n];
+        int64_t len = pb.cu.empty() ? pb.T : pb.cu[n + 1] - pb.cu[n];
+        for (int j = 0; j < HV; j++) {
+            int hq = j / G;
+            double *Sn = &st[((size_t)n * HV + j) * K * V];
+            for (size_t i = 0; i < (size_t)K * V; i++) S[i] = Sn[i];
+            for (int64_t t = 0; t < len; t++) {
+                int64_t row = bos + t;
+                double nq = 0, nk = 0;
+                for (int i = 0; i < K; i++) {
+                    q[i] = pb.q[(row * pb.H + hq) * K + i];
+                    k[i] = pb.k[(row * pb.H + hq) * K + i];
+                    nq += q[i] * q[i]; nk += k[i] * k[i];
+                }
+                if (pb.l2norm) {
+                    double a = 1.0 / sqrt(nq + 1e-6), b = 1.0 / sqrt(nk + 1e-6);
+                    for (int i = 0; i < K; i++) { q[i] *= a; k[i] *= b; }
+                }
+                double alpha = exp((double)pb.g[row * HV + j]), beta = pb.beta[row * HV + j];
+                for (int c = 0; c < V; c++) sk[c] = 0;
+                for (int i = 0; i < K; i++)
+                    for (int c = 0; c < V; c++) sk[c] += S[(size_t)i * V + c] * k[i];
+                for (int c = 0; c < V; c++)
+                    u[c] = beta * ((double)pb.v[(row * HV + j) * V + c] - alpha * sk[c]);
+                for (int i = 0; i < K; i++)
+                    for (int c = 0; c < V; c++) S[(size_t)i * V + c] = alpha * S[(size_t)i * V + c] + k[i] * u[c];
+                double *orow = &o[(row * HV + j) * V];
+                for (int i = 0; i < K; i++)
+                    for (int c = 0; c < V; c++) orow[c] += S[(size_t)i * V + c] * q[i];
+                for (int c = 0; c < V; c++) orow[c] *= pb.scale;
+            }
+            for (size_t i = 0; i < (size_t)K * V; i++) Sn[i] = S[i];
+        }
+    }
+}
+
+/* rel = |out - ref| / |ref|; any non-finite value: inf */
+static double rel_err(const std::vector<float> &out, const std::vector<double> &ref)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); i++) {
+        if (!isfinite(out[i])) return INFINITY;
+        double d = out[i] - ref[i];
+        num += d * d; den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void report(const char *name, const char *what, double rel, double tol)
+{
+    int ok = rel <= tol;
+    if (!ok) g_fail = 1;
+    printf("  %-46s %-5s rel %.3e (tol %.0e) %s\n", name, what, rel, tol, ok ? "ok" : "FAIL");
+}
+
+/* device copies of a problem's inputs */
+struct Dev {
+    void *q, *k, *v, *g, *beta, *o, *cu, *ws;
+    float *h0, *ht;
+    size_t ws_bytes;
+};
+
+static void *upload_typed(const std::vector<float> &x, fq_dtype dt)
+{
+    size_t es = fq_dtype_size(dt);
+    std::vector<unsigned char> h(x.size() * es + 16);
+    for (size_t i = 0; i < x.size(); i++) store_as(h.data(), dt, i, x[i]);
+    void *d = NULL;
+    CK(cudaMalloc(&d, x.size() * es + 16));
+    CK(cudaMemcpy(d, h.data(), x.size() * es, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static std::vector<float> download_typed(const void *d, fq_dtype dt, size_t n)
+{
+    size_t es = fq_dtype_size(dt);
+    std::vector<unsigned char> h(n * es + 16);
+    CK(cudaMemcpy(h.data(), d, n * es, cudaMemcpyDeviceToHost));
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; i++) x[i] = load_as(h.data(), dt, i);
+    return x;
+}
+
+static void fill_params(const Problem &pb, const Dev &d, fq_gdn_params *p, int cu64)
+{
+    fq_params_init(p);
+    p->B = pb.B; p->T = pb.T; p->H = pb.H; p->HV = pb.HV; p->K = pb.K; p->V = pb.V; p->N = pb.N;
+    p->dtype = pb.dt; p->gate_dtype = pb.gdt; p->state_dtype = FQ_F32;
+    p->scale = pb.scale; p->use_qk_l2norm = pb.l2norm;
+    p->q = d.q; p->k = d.k; p->v = d.v; p->g = d.g; p->beta = d.beta;
+    p->h0 = pb.has_h0 ? d.h0 : NULL;
+    p->cu_seqlens = pb.cu.empty() ? NULL : d.cu;
+    p->cu_seqlens_is_int64 = cu64;
+    p->o = d.o; p->ht = pb.want_ht ? d.ht : NULL;
+    p->stream = 0; p->device = 0;
+    p->workspace = d.ws; p->workspace_bytes = d.ws_bytes;
+}
+
+static Dev upload(const Problem &pb, int cu64, size_t ws_bytes)
+{
+    Dev d;
+    memset(&d, 0, sizeof d);
+    d.q = upload_typed(pb.q, pb.dt); d.k = upload_typed(pb.k, pb.dt); d.v = upload_typed(pb.v, pb.dt);
+    d.g = upload_typed(pb.g, pb.gdt); d.beta = upload_typed(pb.beta, pb.gdt);
+    d.h0 = (float *)upload_typed(pb.h0, FQ_F32);
+    size_t no = (size_t)pb.B * pb.T * pb.HV * pb.V;
+    CK(cudaMalloc(&d.o, no * fq_dtype_size(pb.dt) + 16));
+    CK(cudaMalloc(&d.ht, pb.h0.size() * 4 + 16));
+    if (!pb.cu.empty()) {
+        if (cu64) {
+            CK(cudaMalloc(&d.cu, pb.cu.size() * 8));
+            CK(cudaMemcpy(d.cu, pb.cu.data(), pb.cu.size() * 8, cudaMemcpyHostToDevice));
+        } else {
+            std::vector<int32_t> c32(pb.cu.begin(), pb.cu.end());
+            CK(cudaMalloc(&d.cu, c32.size() * 4));
+            CK(cudaMemcpy(d.cu, c32.data(), c32.size() * 4, cudaMemcpyHostToDevice));
+        }
+    }
+    d.ws_bytes = ws_bytes;
+    CK(cudaMalloc(&d.ws, ws_bytes > 0 ? ws_bytes : 1));
+    return d;
+}
+
+static void free_dev(Dev &d)
+{
+    cudaFree(d.q); cudaFree(d.k); cudaFree(d.v); cudaFree(d.g); cudaFree(d.beta);
+    cudaFree(d.o); cudaFree(d.h0); cudaFree(d.ht); cudaFree(d.ws);
+    if (d.cu) cudaFree(d.cu);
+}
+
+/* Which implementation a chunked run uses: v1 or v2 stages A/B
+ * (fq_cuda_fwd_set_v1) and stage B's column width (0: fq_cuda_chunk_fwd with
+ * its automatic choice; else the stages called one by one with that bv). */
+struct Cfg {
+    int v1, bv, ks; /* ks: v2's K-split (1, 2; 0 auto) */
+    const char *tag;
+};
+static const Cfg CFG_AUTO[] = {{1, 0, 0, "v1"}, {0, 0, 0, "v2"}};
+static const Cfg CFG_BV[] = {{1, 16, 0, "v1 bv16"},     {1, 32, 0, "v1 bv32"},     {0, 16, 1, "v2 bv16 ks1"},
+                             {0, 32, 1, "v2 bv32 ks1"}, {0, 64, 1, "v2 bv64 ks1"}, {0, 16, 2, "v2 bv16 ks2"},
+                             {0, 32, 2, "v2 bv32 ks2"}, {0, 64, 2, "v2 bv64 ks2"}};
+#define NCFG(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* per-variant summary: checks, failures, worst rel of o and ht */
+struct VarStat {
+    int n, fail;
+    double worst;
+};
+static VarStat g_stat[2]; /* [0] v2, [1] v1 */
+
+static fq_status run_fwd_cfg(fq_gdn_params *p, const Cfg &c)
+{
+    fq_cuda_fwd_set_v1(c.v1);
+    if (c.bv == 0 && c.ks == 0) return fq_cuda_chunk_fwd(p);
+    /* the stages of fq_cuda_chunk_fwd, with stage B's bv forced */
+    fq_fwd_ws ws;
+    fq_cuda_fwd_ws_layout(p, p->workspace, &ws);
+    cudaStream_t s = (cudaStream_t)p->stream;
+    fq_status st;
+    if ((st = fq_cuda_fwd_prepare(p, &ws, s)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_wy(p, &ws, s)) != FQ_OK) return st;
+    st = c.v1 ? fq_cuda_fwd_state_v1(p, &ws, (float *)p->ht, c.bv, s)
+              : fq_cuda_fwd_state_v2x(p, &ws, (float *)p->ht, c.bv, c.ks, s);
+    if (st != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_output(p, &ws, s)) != FQ_OK) return st;
+    return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, s);
+}
+
+static void report_cfg(const char *name, const Cfg &c, const char *what, double rel, double tol)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s [%s]", name, c.tag);
+    report(buf, what, rel, tol);
+    VarStat &vs = g_stat[c.v1 ? 1 : 0];
+    vs.n++;
+    if (!(rel <= tol)) vs.fail++;
+    if (!(rel <= vs.worst)) vs.worst = rel; /* rel is inf for non-finite output */
+}
+
+/* one chunked-forward problem against the reference, for each config */
+static void check_chunk(const char *name, Problem pb, double amax, int cu64 = 0, double tol = 5e-3,
+                        const Cfg *cfgs = CFG_AUTO, int ncfg = 2)
+{
+    make_inputs(pb, amax);
+    fq_gdn_params p;
+    Dev d0;
+    memset(&d0, 0, sizeof d0);
+    fill_params(pb, d0, &p, cu64);
+    size_t wsb = fq_cuda_chunk_fwd_workspace_bytes(&p);
+    Dev d = upload(pb, cu64, wsb);
+    fill_params(pb, d, &p, cu64);
+    size_t no = (size_t)pb.B * pb.T * pb.HV * pb.V;
+    std::vector<double> oref, sref(pb.h0.begin(), pb.h0.end());
+    reference(pb, oref, sref);
+    for (int ic = 0; ic < ncfg; ic++) {
+        const Cfg &c = cfgs[ic];
+        CK(cudaMemset(d.o, 0xff, no * fq_dtype_size(pb.dt))); /* NaN in every dtype */
+        CK(cudaMemset(d.ht, 0xff, pb.h0.size() * 4));
+        fq_status st = run_fwd_cfg(&p, c);
+        CK(cudaDeviceSynchronize());
+        if (st != FQ_OK) {
+            printf("  %-46s FAIL status %d: %s\n", name, (int)st, fq_last_error());
+            report_cfg(name, c, "run", INFINITY, tol);
+            continue;
+        }
+        std::vector<float> o = download_typed(d.o, pb.dt, no);
+        report_cfg(name, c, "o", rel_err(o, oref), tol);
+        if (pb.want_ht) {
+            std::vector<float> ht = download_typed(d.ht, FQ_F32, pb.h0.size());
+            report_cfg(name, c, "ht", rel_err(ht, sref), tol);
+        }
+    }
+    fq_cuda_fwd_set_v1(-1);
+    free_dev(d);
+}
+
+/* v1 and v2 stages A and B on the same inputs: A (bf16, ws->a as the backward
+ * asks for it), W, U, gamma, kdecay, h, Vn must agree up to bf16 rounding
+ * (rel <= 1e-2; gamma, kdecay <= 1e-5: same fp32 arithmetic). */
+static std::vector<float> dl_bf16(const fq_bf16 *p, size_t n) { return download_typed(p, FQ_BF16, n); }
+static std::vector<float> dl_f32(const float *p, size_t n) { return download_typed(p, FQ_F32, n); }
+static double rel_f(const std::vector<float> &x, const std::vector<float> &ref)
+{
+    std::vector<double> r(ref.begin(), ref.end());
+    return rel_err(x, r);
+}
+
+static void compare_intermediates(const char *name, Problem pb, double amax, int bv2, int ks2)
+{
+    make_inputs(pb, amax);
+    fq_gdn_params p;
+    Dev d0;
+    memset(&d0, 0, sizeof d0);
+    fill_params(pb, d0, &p, 0);
+    Dev d = upload(pb, 0, fq_cuda_chunk_fwd_workspace_bytes(&p));
+    fill_params(pb, d, &p, 0);
+    fq_fwd_ws ws;
+    fq_cuda_fwd_ws_layout(&p, d.ws, &ws);
+    size_t ntile = (size_t)ws.nc_max * pb.HV;
+    fq_bf16 *da = NULL;
+    CK(cudaMalloc(&da, ntile * 64 * 64 * 2));
+    ws.a = da;
+    std::vector<float> res[2][8];
+    for (int v = 0; v < 2; v++) {
+        CK(cudaMemset(d.ws, 0xff, d.ws_bytes)); /* prepare rewrites what it needs */
+        CK(cudaMemset(da, 0xff, ntile * 64 * 64 * 2));
+        fq_status st = fq_cuda_fwd_prepare(&p, &ws, 0);
+        if (st == FQ_OK) st = v ? fq_cuda_fwd_wy_v1(&p, &ws, 0) : fq_cuda_fwd_wy_v2(&p, &ws, 0);
+        if (st == FQ_OK)
+            st = v ? fq_cuda_fwd_state_v1(&p, &ws, d.ht, 0, 0) : fq_cuda_fwd_state_v2x(&p, &ws, d.ht, bv2, ks2, 0);
+        CK(cudaDeviceSynchronize());
+        if (st != FQ_OK) {
+            printf("  %-46s FAIL status %d: %s\n", name, (int)st, fq_last_error());
+            g_fail = 1;
+            cudaFree(da);
+            free_dev(d);
+            return;
+        }
+        res[v][0] = dl_bf16(da, ntile * 64 * 64);
+        res[v][1] = dl_bf16(ws.w, ntile * 64 * pb.K);
+        res[v][2] = dl_bf16(ws.u, ntile * 64 * pb.V);
+        res[v][3] = dl_f32(ws.gamma, ntile * 64);
+        res[v][4] = dl_f32(ws.kdecay, ntile * 64);
+        res[v][5] = dl_bf16(ws.h, ntile * pb.K * pb.V);
+        res[v][6] = dl_bf16(ws.vn, ntile * 64 * pb.V);
+        res[v][7] = dl_f32(d.ht, pb.h0.size());
+    }
+    /* padding chunk slots (B == 1 reserves N extra) are never written: compare
+     * only the real ones (the first nc_real tiles of every array) */
+    const char *what[8] = {"A", "W", "U", "gamma", "kdecay", "h", "Vn", "ht"};
+    const double tol[8] = {1e-2, 1e-2, 1e-2, 1e-5, 1e-5, 1e-2, 1e-2, 5e-3};
+    int64_t nreal = (int64_t)pb.B * ((pb.T + 63) / 64) * pb.HV; /* no cu_seqlens here */
+    for (int i = 0; i < 8; i++) {
+        size_t per = i == 7 ? 0 : res[0][i].size() / ntile;
+        size_t n = i == 7 ? res[0][i].size() : (size_t)nreal * per;
+        std::vector<float> a(res[0][i].begin(), res[0][i].begin() + n), b(res[1][i].begin(), res[1][i].begin() + n);
+        char buf[128];
+        snprintf(buf, sizeof buf, "%s v2 vs v1 (bv %d ks %d)", name, bv2, ks2);
+        report(buf, what[i], rel_f(a, b), tol[i]);
+    }
+    cudaFree(da);
+    free_dev(d);
+}
+
+/* invalid cu_seqlens: o and ht must come back all NaN, status OK */
+static void check_invalid_cu(void)
+{
+    Problem pb = {};
+    pb.B = 1; pb.T = 100; pb.H = 2; pb.HV = 2; pb.K = 64; pb.V = 64;
+    pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
+    pb.cu = {0, 40, 20, 100};
+    make_inputs(pb, 1.0);
+    fq_gdn_params p;
+    Dev d0;
+    memset(&d0, 0, sizeof d0);
+    fill_params(pb, d0, &p, 0);
+    Dev d = upload(pb, 0, fq_cuda_chunk_fwd_workspace_bytes(&p));
+    fill_params(pb, d, &p, 0);
+    size_t no = (size_t)pb.T * pb.HV * pb.V;
+    CK(cudaMemset(d.o, 0, no * 2));
+    CK(cudaMemset(d.ht, 0, pb.h0.size() * 4));
+    fq_status st = fq_cuda_chunk_fwd(&p);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> o = download_typed(d.o, pb.dt, no), ht = download_typed(d.ht, FQ_F32, pb.h0.size());
+    size_t nn = 0;
+    for (float x : o) nn += isnan(x) ? 1 : 0;
+    for (float x : ht) nn += isnan(x) ? 1 : 0;
+    int ok = st == FQ_OK && nn == o.size() + ht.size();
+    if (!ok) g_fail = 1;
+    printf("  %-46s NaN %zu of %zu %s\n", "chunk_fwd invalid cu_seqlens -> NaN", nn, o.size() + ht.size(),
+           ok ? "ok" : "FAIL");
+    /* recurrent with the same invalid offsets */
+    std::vector<float> pool((size_t)3 * pb.HV * pb.K * pb.V, 1.0f);
+    float *dpool = (float *)upload_typed(pool, FQ_F32);
+    fq_params_init(&p);
+    fill_params(pb, d, &p, 0);
+    p.ht = NULL; p.h0 = NULL; p.state = dpool; p.P = 3;
+    p.workspace_bytes = fq_cuda_recurrent_workspace_bytes(&p);
+    CK(cudaMemset(d.o, 0, no * 2));
+    st = fq_cuda_recurrent(&p);
+    CK(cudaDeviceSynchronize());
+    o = download_typed(d.o, pb.dt, no);
+    std::vector<float> pool2 = download_typed(dpool, FQ_F32, pool.size());
+    nn = 0;
+    for (float x : o) nn += isnan(x) ? 1 : 0;
+    ok = st == FQ_OK && nn == o.size() && pool2 == pool;
+    if (!ok) g_fail = 1;
+    printf("  %-46s NaN %zu of %zu, pool untouched %d %s\n", "recurrent invalid cu_seqlens -> NaN", nn,
+           o.size(), (int)(pool2 == pool), ok ? "ok" : "FAIL");
+    cudaFree(dpool);
+    free_dev(d);
+}
+
+/* error statuses */
+static void check_errors(void)
+{
+    fq_gdn_params p;
+    fq_params_init(&p);
+    p.B = 1; p.T = 10; p.H = 1; p.HV = 1; p.K = 96; p.V = 96; p.N = 1;
+    p.dtype = FQ_BF16;
+    p.q = p.k = p.v = p.g = p.beta = p.o = (void *)256;
+    fq_status st = fq_cuda_chunk_fwd(&p);
+    int ok1 = st == FQ_ERR_VALUE && strstr(fq_last_error(), "K in {64, 128}");
+    printf("  %-46s %d \"%s\" %s\n", "K=96 rejected", (int)st, fq_last_error(), ok1 ? "ok" : "FAIL");
+    p.K = p.V = 64; p.dtype = FQ_F64; p.state_dtype = FQ_F64;
+    st = fq_cuda_chunk_fwd(&p);
+    int ok2 = st == FQ_ERR_TYPE;
+    printf("  %-46s %d \"%s\" %s\n", "float64 rejected", (int)st, fq_last_error(), ok2 ? "ok" : "FAIL");
+    p.dtype = FQ_BF16; p.state_dtype = FQ_F32; p.workspace = NULL;
+    st = fq_cuda_chunk_fwd(&p);
+    int ok3 = st == FQ_ERR_VALUE && strstr(fq_last_error(), "workspace");
+    printf("  %-46s %d \"%s\" %s\n", "missing workspace rejected", (int)st, fq_last_error(), ok3 ? "ok" : "FAIL");
+    if (!(ok1 && ok2 && ok3)) g_fail = 1;
+}
+
+/* recurrent step: pool [P, HV, K, V], indices with -1 (padding); compares o
+ * and the pool with the reference; untouched slots bitwise; padding o = 0.
+ * Also compares with the chunked forward on the same tokens. */
+static void check_recurrent(const char *name, int N, int T, int H, int HV, int K, int V, int use_cu,
+                            int l2norm, fq_dtype dt, int idx64)
+{
+    Problem pb = {};
+    pb.H = H; pb.HV = HV; pb.K = K; pb.V = V; pb.dt = dt; pb.gdt = FQ_F32;
+    pb.l2norm = l2norm; pb.has_h0 = 1; pb.want_ht = 1;
+    if (use_cu) {
+        pb.B = 1;
+        pb.cu.push_back(0);
+        for (int n = 0; n < N; n++) pb.cu.push_back(pb.cu.back() + (n * 2) % (T + 1)); /* 0,2,4,1,.. */
+        pb.T = (int)pb.cu.back();
+    } else {
+        pb.B = N; pb.T = T;
+    }
+    make_inputs(pb, 8.0);
+    int P = N + 3;
+    std::vector<int64_t> idx(N);
+    for (int n = 0; n < N; n++) idx[n] = (n % 3 == 1) ? -1 : (P - 1 - n); /* reversed, some padding */
+    size_t SS = (size_t)HV * K * V;
+    std::vector<float> pool((size_t)P * SS);
+    for (auto &x : pool) x = (float)(0.5 * randn());
+    /* reference: sequences with a slot start from pool[slot] */
+    for (int n = 0; n < N; n++)
+        if (idx[n] >= 0) std::copy(pool.begin() + idx[n] * SS, pool.begin() + (idx[n] + 1) * SS, pb.h0.begin() + n * SS);
+    std::vector<double> oref, sref(pb.h0.begin(), pb.h0.end());
+    reference(pb, oref, sref);
+    std::vector<double> poolref(pool.begin(), pool.end());
+    for (int n = 0; n < N; n++) {
+        if (idx[n] >= 0) std::copy(sref.begin() + n * SS, sref.begin() + (n + 1) * SS, poolref.begin() + idx[n] * SS);
+        else { /* padding: o rows 0 */
+            int64_t bos = use_cu ? pb.cu[n] : (int64_t)n * pb.T, len = use_cu ? pb.cu[n + 1] - pb.cu[n] : pb.T;
+            for (int64_t r = bos; r < bos + len; r++)
+                for (size_t c = 0; c < (size_t)HV * V; c++) oref[r * HV * V + c] = 0;
+        }
+    }
+    fq_gdn_params p;
+    Dev d0;
+    memset(&d0, 0, sizeof d0);
+    fill_params(pb, d0, &p, 1);
+    Dev d = upload(pb, 1, 256);
+    fill_params(pb, d, &p, 1);
+    float *dpool = (float *)upload_typed(pool, FQ_F32);
+    void *didx = NULL;
+    if (idx64) {
+        CK(cudaMalloc(&didx, N * 8));
+        CK(cudaMemcpy(didx, idx.data(), N * 8, cudaMemcpyHostToDevice));
+    } else {
+        std::vector<int32_t> i32(idx.begin(), idx.end());
+        CK(cudaMalloc(&didx, N * 4));
+        CK(cudaMemcpy(didx, i32.data(), N * 4, cudaMemcpyHostToDevice));
+    }
+    p.h0 = NULL; p.ht = NULL; p.state = dpool; p.P = P;
+    p.state_indices = didx; p.state_indices_is_int64 = idx64;
+    size_t no = (size_t)pb.B * pb.T * HV * V;
+    CK(cudaMemset(d.o, 0xff, no * fq_dtype_size(dt)));
+    fq_status st = fq_cuda_recurrent(&p);
+    CK(cudaDeviceSynchronize());
+    if (st != FQ_OK) {
+        printf("  %-46s FAIL status %d: %s\n", name, (int)st, fq_last_error());
+        g_fail = 1;
+    } else {
+        std::vector<float> o = download_typed(d.o, dt, no);
+        std::vector<float> pool2 = download_typed(dpool, FQ_F32, pool.size());
+        report(name, "o", rel_err(o, oref), 5e-3);
+        report(name, "pool", rel_err(pool2, poolref), 5e-3);
+        size_t untouched_bad = 0, pad_bad = 0;
+        for (int s = 0; s < P; s++) {
+            bool used = false;
+            for (int n = 0; n < N; n++) used |= idx[n] == s;
+            if (!used)
+                for (size_t i = 0; i < SS; i++) untouched_bad += pool2[s * SS + i] != pool[s * SS + i];
+        }
+        for (size_t i = 0; i < no; i++) pad_bad += (oref[i] == 0.0 && o[i] != 0.0f);
+        int ok = untouched_bad == 0 && pad_bad == 0;
+        if (!ok) g_fail = 1;
+        printf("  %-46s unused slots changed %zu, padding o != 0 %zu %s\n", name, untouched_bad, pad_bad,
+               ok ? "ok" : "FAIL");
+        /* recurrent == chunked on the same tokens (sequences with a slot) */
+        if (!use_cu) {
+            fill_params(pb, d, &p, 1);
+            p.workspace_bytes = fq_cuda_chunk_fwd_workspace_bytes(&p);
+            void *ws2 = NULL;
+            CK(cudaMalloc(&ws2, p.workspace_bytes));
+            p.workspace = ws2;
+            void *o2 = NULL;
+            CK(cudaMalloc(&o2, no * fq_dtype_size(dt)));
+            CK(cudaMemset(o2, 0xff, no * fq_dtype_size(dt)));
+            p.o = o2;
+            st = fq_cuda_chunk_fwd(&p);
+            CK(cudaDeviceSynchronize());
+            std::vector<float> oc = download_typed(o2, dt, no);
+            std::vector<double> orc(no);
+            std::vector<float> orr(no);
+            for (size_t i = 0; i < no; i++) orc[i] = oc[i];
+            /* compare on sequences that had a slot */
+            double num = 0, den = 0;
+            for (int n = 0; n < N; n++) {
+                if (idx[n] < 0) continue;
+                for (size_t i = (size_t)n * T * HV * V; i < (size_t)(n + 1) * T * HV * V; i++) {
+                    double dd = (double)o[i] - orc[i];
+                    num += dd * dd; den += orc[i] * orc[i];
+                    if (!isfinite(oc[i])) num = INFINITY;
+                }
+            }
+            report(name, "o==chunk", st == FQ_OK ? sqrt(num / den) : INFINITY, 5e-3);
+            cudaFree(ws2); cudaFree(o2);
+        }
+    }
+    cudaFree(dpool); cudaFree(didx);
+    free_dev(d);
+}
+
+/* ------------------------------------------------------------ timing ---- */
+static float median(std::vector<float> x)
+{
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+}
+
+typedef void (*timed_fn)(fq_gdn_params *p, const fq_fwd_ws *ws, int what);
+
+/* CUDA-graph replays of fn (captured once on a fresh stream), timed with
+ * events: median of 20 after warm-up. Also proves the call is capturable. */
+static float time_it(fq_gdn_params *p, const fq_fwd_ws *ws, int what, timed_fn fn)
+{
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    p->stream = (void *)s;
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; i++) fn(p, ws, what);
+    CK(cudaStreamSynchronize(s));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    fn(p, ws, what);
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; i++) CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    std::vector<float> ms;
+    for (int i = 0; i < 20; i++) {
+        CK(cudaEventRecord(a, s));
+        CK(cudaGraphLaunch(exec, s));
+        CK(cudaEventRecord(b, s));
+        CK(cudaEventSynchronize(b));
+        float t = 0;
+        CK(cudaEventElapsedTime(&t, a, b));
+        ms.push_back(t);
+    }
+    CK(cudaGraphExecDestroy(exec)); CK(cudaGraphDestroy(graph));
+    CK(cudaEventDestroy(a)); CK(cudaEventDestroy(b));
+    p->stream = NULL;
+    CK(cudaStreamDestroy(s));
+    return median(ms);
+}
+
+static int g_time_bv = 0, g_time_ks = 0; /* stage B column width, K-split for the timed runs */
+
+static void run_stage(fq_gdn_params *p, const fq_fwd_ws *ws, int what)
+{
+    fq_status st = FQ_OK;
+    cudaStream_t s = (cudaStream_t)p->stream;
+    switch (what) {
+    case 0: fq_cuda_fwd_set_v1(1); st = fq_cuda_chunk_fwd(p); break;
+    case 1: fq_cuda_fwd_set_v1(0); st = fq_cuda_chunk_fwd(p); break;
+    case 2: st = fq_cuda_fwd_prepare(p, ws, s); break;
+    case 3: st = fq_cuda_fwd_wy_v1(p, ws, s); break;
+    case 4: st = fq_cuda_fwd_wy_v2(p, ws, s); break;
+    case 5: st = fq_cuda_fwd_state_v1(p, ws, (float *)p->ht, g_time_bv, s); break;
+    case 6: st = fq_cuda_fwd_state_v2x(p, ws, (float *)p->ht, g_time_bv, g_time_ks, s); break;
+    case 7: st = fq_cuda_fwd_output_v1(p, ws, s); break;
+    case 8: st = fq_cuda_recurrent(p); break;
+    case 9: st = fq_cuda_fwd_output_v2(p, ws, s); break;
+    }
+    if (st != FQ_OK) { fprintf(stderr, "timed call failed: %s\n", fq_last_error()); exit(2); }
+}
+
+/* one row of the final table */
+struct TimeRow {
+    char shape[48];
+    double fla, tot1, tot2, prep, a1, a2, b1[2], b2[7], c1, c2; /* b2: ks1 bv16/32/64, ks2 bv16/32/64, auto */
+};
+static std::vector<TimeRow> g_rows;
+
+/* H/HV, nseq sequences of len tokens (varlen: one row, cu_seqlens) */
+static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms)
+{
+    Problem pb = {};
+    pb.B = varlen ? 1 : nseq; pb.T = varlen ? nseq * len : len; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
+    pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
+    if (varlen)
+        for (int i = 0; i <= nseq; i++) pb.cu.push_back((int64_t)i * len);
+    make_inputs(pb, 4.0);
+    fq_gdn_params p;
+    Dev d0;
+    memset(&d0, 0, sizeof d0);
+    fill_params(pb, d0, &p, 0);
+    Dev d = upload(pb, 0, fq_cuda_chunk_fwd_workspace_bytes(&p));
+    fill_params(pb, d, &p, 0);
+    fq_fwd_ws ws;
+    fq_cuda_fwd_ws_layout(&p, d.ws, &ws);
+    TimeRow r;
+    memset(&r, 0, sizeof r);
+    snprintf(r.shape, sizeof r.shape, "%d/%d %s%dx%d", H, HV, varlen ? "varlen " : "", nseq, len);
+    r.fla = fla_ms;
+    r.tot1 = time_it(&p, &ws, 0, run_stage);
+    r.tot2 = time_it(&p, &ws, 1, run_stage);
+    fq_cuda_fwd_set_v1(-1);
+    r.prep = time_it(&p, &ws, 2, run_stage);
+    r.a1 = time_it(&p, &ws, 3, run_stage);
+    r.a2 = time_it(&p, &ws, 4, run_stage);
+    const int bvs[3] = {16, 32, 64};
+    for (int i = 0; i < 2; i++) { g_time_bv = bvs[i]; r.b1[i] = time_it(&p, &ws, 5, run_stage); }
+    const int cfg2[7][2] = {{16, 1}, {32, 1}, {64, 1}, {16, 2}, {32, 2}, {64, 2}, {0, 0}};
+    for (int i = 0; i < 7; i++) {
+        g_time_bv = cfg2[i][0]; g_time_ks = cfg2[i][1];
+        r.b2[i] = time_it(&p, &ws, 6, run_stage);
+    }
+    g_time_bv = g_time_ks = 0;
+    r.c1 = time_it(&p, &ws, 7, run_stage);
+    r.c2 = time_it(&p, &ws, 9, run_stage);
+    double tflops = 183e3 * (double)nseq * len * HV / (r.tot2 * 1e-3) / 1e12;
+    printf("  fwd %-22s total v1 %.3f v2 %.3f ms (v2 %.1f TFLOP/s) | prepare %.3f | A v1 %.3f v2 %.3f | "
+           "B v1 bv16 %.3f bv32 %.3f, v2 ks1 bv16 %.3f bv32 %.3f bv64 %.3f, ks2 bv16 %.3f bv32 %.3f bv64 %.3f, "
+           "auto %.3f | C v1 %.3f v2 %.3f\n",
+           r.shape, r.tot1, r.tot2, tflops, r.prep, r.a1, r.a2, r.b1[0], r.b1[1], r.b2[0], r.b2[1], r.b2[2],
+           r.b2[3], r.b2[4], r.b2[5], r.b2[6], r.c1, r.c2);
+    fflush(stdout);
+    g_rows.push_back(r);
+    free_dev(d);
+}
+
+static void time_recurrent(int N, int H, int HV, int T)
+{
+    Problem pb = {};
+    pb.B = N; pb.T = T; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
+    pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 0; pb.want_ht = 0;
+    make_inputs(pb, 4.0);
+    fq_gdn_params p;
+    Dev d = upload(pb, 0, 256);
+    fill_params(pb, d, &p, 0);
+    std::vector<float> pool((size_t)N * HV * 128 * 128);
+    for (auto &x : pool) x = (float)(0.1 * randn());
+    float *dpool = (float *)upload_typed(pool, FQ_F32);
+    p.state = dpool; p.P = N; p.h0 = NULL; p.ht = NULL;
+    float t = time_it(&p, NULL, 8, run_stage);
+    double floor_ms = 2.0 * pool.size() * 4 / 4.27e12 * 1e3;
+    printf("  recurrent N=%d H=%d HV=%d T=%d: %.4f ms (floor %.4f ms)\n", N, H, HV, T, t, floor_ms);
+    cudaFree(dpool);
+    free_dev(d);
+}
+
+/* the chunked-forward correctness suite; cfgs: which variants */
+static void chunk_suite(int quick, int tiny, int race)
+{
+    Problem b = {};
+    b.B = 2; b.T = 200; b.H = 4; b.HV = 8; b.K = 128; b.V = 128;
+    b.dt = FQ_BF16; b.gdt = FQ_F32; b.has_h0 = 1; b.want_ht = 1;
+    if (race) {
+        /* racecheck: every stage-B variant, both ring depths, short chains */
+        Problem x = b; x.B = 4; x.HV = 16; x.T = 130;
+        check_chunk("T=130 B=4 H=4 HV=16", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+        x.K = 64; x.V = 64; x.B = 1; x.T = 100;
+        check_chunk("  K=V=64 T=100", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+        return;
+    }
+    check_chunk("T=200 B=2 H=4 HV=8 K=V=128 bf16 h0", b, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+    {
+        /* enough blocks for the 2-deep ring (blocks > SMs) at bv16/32 */
+        Problem x = b; x.B = 4; x.HV = 16;
+        check_chunk("T=200 B=4 H=4 HV=16", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+    }
+    {
+        Problem x = b; x.B = 1; x.cu = {0, 1, 64, 128, 193, 193, 1193}; x.T = 1193;
+        check_chunk("  varlen 1,63,64,65,0,1000 int32", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+    }
+    { Problem x = b; x.K = 64; x.V = 64; x.H = 4; check_chunk("  K=V=64 GVA 2", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV)); }
+    if (tiny) return;
+    { Problem x = b; x.l2norm = 1; check_chunk("  + use_qk_l2norm", x, 16.0); }
+    { Problem x = b; x.has_h0 = 0; x.want_ht = 0; check_chunk("  no h0, no ht", x, 16.0); }
+    { Problem x = b; x.dt = FQ_F16; check_chunk("  float16 inputs", x, 16.0); }
+    { Problem x = b; x.dt = FQ_F32; check_chunk("  float32 inputs", x, 16.0); }
+    { Problem x = b; x.gdt = FQ_BF16; check_chunk("  bf16 gates", x, 16.0); }
+    { Problem x = b; x.K = 64; x.V = 64; x.H = 8; check_chunk("  K=V=64 GVA 1", x, 16.0); }
+    { Problem x = b; x.K = 64; x.V = 64; x.H = 2; check_chunk("  K=V=64 GVA 4", x, 16.0); }
+    { Problem x = b; x.K = 128; x.V = 64; check_chunk("  K=128 V=64", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV)); }
+    { Problem x = b; x.K = 64; x.V = 128; check_chunk("  K=64 V=128", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV)); }
+    { Problem x = b; x.B = 3; x.T = 1; check_chunk("  T=1", x, 16.0); }
+    {
+        Problem x = b; x.B = 1; x.cu = {0, 1, 64, 128, 193, 193, 1193}; x.T = 1193;
+        x.l2norm = 1; x.has_h0 = 0;
+        check_chunk("  varlen int64 + l2norm, no h0", x, 16.0, 1);
+    }
+    {
+        Problem x = b; x.B = 1; x.cu = {0, 0}; x.T = 0;
+        check_chunk("  one empty sequence (ht = h0)", x, 16.0);
+    }
+    if (!quick) {
+        Problem x = b; x.B = 1; x.T = 32768; x.H = 1; x.HV = 2;
+        check_chunk("T=32768 H=1 HV=2 (A_h 0 and 16) bf16", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+        x.K = 64; x.V = 64;
+        check_chunk("T=32768 H=1 HV=2 K=V=64", x, 16.0);
+    }
+    printf("stage A/B intermediates, v2 against v1\n");
+    compare_intermediates("T=200 B=2 HV=8", b, 16.0, 32, 2);
+    { Problem x = b; x.l2norm = 1; x.dt = FQ_F32; compare_intermediates("l2norm f32 in", x, 4.0, 16, 1); }
+    { Problem x = b; x.K = 64; x.V = 128; compare_intermediates("K=64 V=128", x, 0.0, 64, 1); }
+    { Problem x = b; x.K = 64; x.V = 64; compare_intermediates("K=V=64", x, 8.0, 16, 2); }
+}
+
+int main(int argc, char **argv)
+{
+    int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    int tiny = argc > 1 && strcmp(argv[1], "tiny") == 0;
+    int race = argc > 1 && strcmp(argv[1], "race") == 0;
+    if (race) tiny = 1;
+    if (tiny) quick = 1;
+    g_stat[0].worst = g_stat[1].worst = 0;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+    printf("default variant: %s (FLASHQLA_CUDA_FWD_V1 / FQ_CUDA_FWD_DEFAULT_V1)\n",
+           fq_cuda_fwd_use_v1() ? "v1" : "v2");
+
+    printf("chunked forward vs float64 reference ([v1]/[v2]: stage A/B/C version; bvNN ksN: stage B columns, "
+           "K-split)\n");
+    chunk_suite(quick, tiny, race);
+    if (!tiny) {
+        printf("errors\n");
+        check_errors();
+        check_invalid_cu();
+        printf("recurrent step vs float64 reference (o==chunk uses the default variant)\n");
+        check_recurrent("N=6 T=1 H=4 HV=8 K=V=128 idx int32", 6, 1, 4, 8, 128, 128, 0, 0, FQ_BF16, 0);
+        check_recurrent("N=6 T=4 H=4 HV=8 K=V=128 idx int64", 6, 4, 4, 8, 128, 128, 0, 0, FQ_BF16, 1);
+        check_recurrent("N=5 T=3 K=V=64 l2norm GVA 4", 5, 3, 2, 8, 64, 64, 0, 1, FQ_BF16, 0);
+        check_recurrent("N=5 T=2 K=128 V=64 fp32", 5, 2, 2, 4, 128, 64, 0, 0, FQ_F32, 0);
+        check_recurrent("varlen N=7 (lengths 0,2,4,1,3,5,2) fp16", 7, 5, 4, 8, 128, 128, 1, 0, FQ_F16, 0);
+    }
+
+    if (!quick) {
+        g_fast_rand = 1;
+        printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
+        time_fwd(16, 32, 1, 32768, 0, 1.913);
+        time_fwd(16, 32, 8, 1024, 0, 0.507);
+        time_fwd(16, 32, 1, 8192, 0, 0.472);
+        time_fwd(16, 32, 1, 2048, 0, 0.133);
+        time_fwd(16, 32, 8, 4096, 0, 1.914);
+        time_fwd(16, 32, 2, 16384, 1, 1.891);
+        time_fwd(16, 64, 1, 32768, 0, 3.331);
+        time_fwd(16, 64, 2, 16384, 1, 3.436);
+        time_fwd(2, 8, 1, 32768, 0, 0.904);
+        time_fwd(2, 8, 1, 4096, 0, 0.132);
+        time_fwd(8, 32, 1, 32768, 0, 1.885);
+        time_fwd(16, 48, 1, 32768, 0, 2.711);
+        time_recurrent(1, 16, 32, 1);
+        time_recurrent(16, 16, 32, 1);
+        time_recurrent(64, 16, 32, 1);
+        time_recurrent(256, 16, 32, 1);
+        time_recurrent(64, 16, 32, 4);
+        time_recurrent(256, 2, 8, 1);
+    }
+
+    printf("\n==== summary ====\n");
+    printf("correctness: v1 %d checks, %d failed, worst rel %.3e | v2 %d checks, %d failed, worst rel %.3e\n",
+           g_stat[1].n, g_stat[1].fail, g_stat[1].worst, g_stat[0].n, g_stat[0].fail, g_stat[0].worst);
+    if (!g_rows.empty()) {
+        printf("%-22s %5s | %5s %5s %5s | %5s %5s | %5s %5s | %5s %5s %5s %5s %5s %5s %5s | %5s %5s\n",
+               "shape (ms)", "FLA", "totv1", "totv2", "FLA/2", "A v1", "A v2", "B1:16", "B1:32", "16k1", "32k1", "64k1",
+               "16k2", "32k2", "64k2", "auto", "C v1", "C v2");
+        for (const TimeRow &r : g_rows)
+            printf("%-22s %5.3f | %5.3f %5.3f %5.2f | %5.3f %5.3f | %5.3f %5.3f | %5.3f %5.3f %5.3f %5.3f %5.3f %5.3f "
+                   "%5.3f | %5.3f %5.3f\n",
+                   r.shape, r.fla, r.tot1, r.tot2, r.fla / r.tot2, r.a1, r.a2, r.b1[0], r.b1[1], r.b2[0], r.b2[1],
+                   r.b2[2], r.b2[3], r.b2[4], r.b2[5], r.b2[6], r.c1, r.c2);
+        printf("(FLA: ANCHORS.md, our H200 where measured, else published; FLA/2 = FLA / total v2;\n"
+               " B1:bv = stage B v1; 16k1 .. 64k2 = stage B v2 bv 16/32/64 with K-split 1 or 2; auto = v2's pick)\n");
+    }
+    printf("%s\n", g_fail ? "SOME CHECKS FAILED" : "all checks passed");
+    return g_fail;
+}

@@ -1,0 +1,50 @@
+#!/bin/bash
+# Build and run dev/cuda/check_fwd.cu on a GPU machine (from the repo root):
+# full check of both versions of stages A, B, C (v1, v2) + timings of both,
+# then in parallel the compute_80 PTX fallback (forced JIT) and
+# compute-sanitizer memcheck (mode tiny: every kernel variant on small
+# problems) and racecheck (mode race: fewer, shorter). The summary table of
+# the full run is printed last. Logs go to $OUT if set (check_fwd.log,
+# jit.log, memcheck.log, racecheck.log). About 3-4 minutes on the H200.
+set -u
+OUTDIR=${OUT:-/tmp}
+B=/tmp/fqbuild; mkdir -p $B
+NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
+gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
+pids=""
+for f in dev/cuda/check_fwd.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu csrc/gdn_cuda_fwd_state.cu \
+         csrc/gdn_cuda_fwd_output.cu csrc/gdn_cuda_recurrent.cu; do
+  $NV -Xptxas -v -c $f -o $B/$(basename $f .cu).o > $B/$(basename $f .cu).log 2>&1 &
+  pids="$pids $!"
+done
+fail=0; for p in $pids; do wait $p || fail=1; done
+echo "=== ptxas (sm_90a): registers / spills per kernel"
+for f in $B/gdn_cuda_fwd_wy.log $B/gdn_cuda_fwd_state.log $B/gdn_cuda_fwd_output.log; do
+  awk "/Compiling entry function.*sm_90a/ {split(\$0, a, \"'\"); k = a[2]; on = 1}
+       on && /spill stores/ {sp = \$5}
+       on && /Used [0-9]+ registers/ {print \"  \" k, \$5, \"regs,\", sp, \"B spill\"; on = 0}" $f
+done
+[ $fail = 0 ] || { cat $B/*.log | grep -B2 -A5 error | head -60; exit 1; }
+$NV -o $B/check_fwd $B/check_fwd.o $B/gdn_cuda_fwd.o $B/gdn_cuda_fwd_wy.o $B/gdn_cuda_fwd_state.o \
+    $B/gdn_cuda_fwd_output.o $B/gdn_cuda_recurrent.o $B/gdn_common.o || exit 1
+echo "=== full check + timings (v1 and v2)"
+timeout 240 $B/check_fwd > $OUTDIR/check_fwd.log 2>&1; rc=$?
+grep -vE " ok$" $OUTDIR/check_fwd.log | sed '/==== summary/,$d'
+echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd.log) checks ok, $(grep -c 'FAIL' $OUTDIR/check_fwd.log) FAIL lines; full log: check_fwd.log)"
+echo "=== compute_80 PTX (forced JIT, tiny), memcheck (tiny), racecheck (race), in parallel"
+( CUDA_FORCE_PTX_JIT=1 timeout 110 $B/check_fwd tiny > $OUTDIR/jit.log 2>&1 ) &
+j1=$!
+if command -v compute-sanitizer >/dev/null; then
+  ( timeout 110 compute-sanitizer --tool memcheck $B/check_fwd tiny > $OUTDIR/memcheck.log 2>&1 ) &
+  j2=$!
+  ( timeout 110 compute-sanitizer --tool racecheck $B/check_fwd race > $OUTDIR/racecheck.log 2>&1 ) &
+  j3=$!
+  wait $j2 $j3
+fi
+wait $j1
+echo "jit:       $(grep -E 'FAIL|passed' $OUTDIR/jit.log | tail -3 | tr '\n' ' ')"
+[ -f $OUTDIR/memcheck.log ] && echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck.log | tail -3 | tr '\n' ' ')"
+[ -f $OUTDIR/racecheck.log ] && echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck.log | tail -3 | tr '\n' ' ')"
+echo "=== summary of the full run"
+sed -n '/==== summary/,$p' $OUTDIR/check_fwd.log
+exit 0

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Tiny flashqla CUDA run for compute-sanitizer (memcheck, racecheck): forward, backward and
+recurrent step, K = V = 64 and 128, T = 130, 2 value heads, checked against the float64
+token-by-token reference (benchmarks/bench_gpu.py: ref_gdn_f64).
+
+    compute-sanitizer --tool memcheck  --error-exitcode 86 python3 dev/sanitize_small.py
+    compute-sanitizer --tool racecheck --error-exitcode 86 python3 dev/sanitize_small.py --quick
+
+Every input is made on the CPU and copied (cudaMemcpy, no kernels), outputs are NaN-poisoned
+on the CPU and copied, each tensor is its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1),
+results are copied back and checked on the CPU: the only kernels the sanitizer sees are
+flashqla's. Runs on a non-default torch stream, passed to flashqla._C.
+Prints one line per check and "sanitize_small: ALL OK" or "sanitize_small: FAILED (n)";
+exit status 0 / 1 (the sanitizer's own --error-exitcode tells memory errors apart).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+# One cudaMalloc per tensor: with PyTorch's caching allocator, tensors share large segments
+# and memcheck cannot see an access past one tensor that stays inside its segment.
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_gpu import TOL, ref_gdn_f64  # noqa: E402  (float64 reference, tolerances of DESIGN §3)
+
+failures = []
+
+
+def rel(out, ref):
+    a, b = out.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    den = torch.linalg.vector_norm(b).item()
+    return torch.linalg.vector_norm(a - b).item() / (den if den > 0 else 1.0)
+
+
+def report(what, errs, tol):
+    bad = [n for n, e in errs.items() if not (e <= tol[n])]
+    line = " ".join("%s %.1e" % (n, e) for n, e in errs.items())
+    print("sanitize_small: %-44s %s  %s" % (what, line, "OK" if not bad else "FAIL " + ",".join(bad)),
+          flush=True)
+    if bad:
+        failures.append(what)
+
+
+def cpu_inputs(gen, B, T, H, HV, K, N, l2norm_inside):
+    """bf16 q, k, v; DESIGN §3 gates (A_h from 0 to 16); fp32 h0, do, dht. CPU tensors."""
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    if not l2norm_inside:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    A = torch.linspace(0, 16, HV)
+    return dict(
+        q=q.to(torch.bfloat16), k=k.to(torch.bfloat16),
+        v=torch.randn(B, T, HV, K, generator=gen).to(torch.bfloat16),
+        g=(-A * F.softplus(0.5 * torch.randn(B, T, HV, generator=gen) + 1)).contiguous(),
+        beta=torch.sigmoid(torch.randn(B, T, HV, generator=gen)),
+        h0=torch.randn(N, HV, K, K, generator=gen),
+        do=torch.randn(B, T, HV, K, generator=gen).to(torch.bfloat16),
+        dht=torch.randn(N, HV, K, K, generator=gen))
+
+
+def reference(x, scale, cu, l2norm_inside):
+    leaves = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0")}
+    q, k = leaves["q"], leaves["k"]
+    if l2norm_inside:   # q / sqrt(sum q^2 + eps) style; eps negligible for random vectors
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    o, ht = ref_gdn_f64(q, k, leaves["v"], leaves["g"], leaves["beta"], leaves["h0"], scale, cu)
+    torch.autograd.backward([o, ht], [x["do"].double(), x["dht"].double()])
+    return {"o": o.detach(), "ht": ht.detach(), "dq": leaves["q"].grad, "dk": leaves["k"].grad,
+            "dv": leaves["v"].grad, "dg": leaves["g"].grad, "dbeta": leaves["beta"].grad,
+            "dh0": leaves["h0"].grad}
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def nan_like(t, dev):
+    return torch.full(t.shape, float("nan"), dtype=t.dtype).to(dev)
+
+
+def workspace(C, op, B, T, H, HV, K, N, dev):
+    n = int(C.workspace_bytes(op, B, T, H, HV, K, K, N, "bfloat16"))
+    return torch.empty(n, dtype=torch.uint8, device=dev) if n > 0 else None
+
+
+def chunk_case(C, K, H, HV, seqlens, varlen, l2norm_inside, stream, dev):
+    gen = torch.Generator().manual_seed(K * 100 + H * 10 + HV + len(seqlens))
+    if varlen:
+        B, T, N = 1, sum(seqlens), len(seqlens)
+        cu = [0]
+        for s in seqlens:
+            cu.append(cu[-1] + s)
+        cu_dev = torch.tensor(cu, dtype=torch.int32).to(dev)
+    else:
+        B, T, N, cu, cu_dev = len(seqlens), seqlens[0], len(seqlens), None, None
+    x = cpu_inputs(gen, B, T, H, HV, K, N, l2norm_inside)
+    scale = K ** -0.5
+    ref = reference(x, scale, cu, l2norm_inside)
+    d = {n: t.to(dev) for n, t in x.items()}
+    what = "K=%d H=%d HV=%d %s%s" % (K, H, HV, ("varlen " + "+".join(map(str, seqlens))) if varlen else
+                                     "B=%d T=%d" % (B, T), " l2norm" if l2norm_inside else "")
+    try:
+        o, ht = nan_like(x["v"], dev), nan_like(x["h0"], dev)
+        C.chunk_fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], o, scale=scale, initial_state=d["h0"],
+                    final_state=ht, cu_seqlens=cu_dev, use_qk_l2norm=l2norm_inside,
+                    workspace=workspace(C, "fwd", B, T, H, HV, K, N, dev), stream=stream)
+        sync(dev)
+        report("fwd " + what, {"o": rel(o, ref["o"]), "ht": rel(ht, ref["ht"])}, TOL)
+    except Exception as e:
+        print("sanitize_small: fwd %s raised %s: %s" % (what, type(e).__name__, e), flush=True)
+        failures.append("fwd " + what)
+    try:
+        g = {n: nan_like(x[src], dev) for n, src in (("dq", "q"), ("dk", "k"), ("dv", "v"), ("dg", "g"),
+                                                     ("dbeta", "beta"), ("dh0", "h0"))}
+        C.chunk_bwd(d["q"], d["k"], d["v"], d["g"], d["beta"], d["do"], g["dq"], g["dk"], g["dv"], g["dg"],
+                    g["dbeta"], scale=scale, initial_state=d["h0"], dfinal_state=d["dht"],
+                    dinitial_state=g["dh0"], cu_seqlens=cu_dev, use_qk_l2norm=l2norm_inside,
+                    workspace=workspace(C, "bwd", B, T, H, HV, K, N, dev), stream=stream)
+        sync(dev)
+        report("bwd " + what, {n: rel(g[n], ref[n]) for n in g}, TOL)
+    except Exception as e:
+        print("sanitize_small: bwd %s raised %s: %s" % (what, type(e).__name__, e), flush=True)
+        failures.append("bwd " + what)
+
+
+def recurrent_case(C, K, H, HV, T, stream, dev):
+    """Pool of P = 4 slots, 3 sequences with slots [2, -1 (padding), 0], T tokens each."""
+    gen = torch.Generator().manual_seed(7 + K + T)
+    N, P = 3, 4
+    x = cpu_inputs(gen, N, T, H, HV, K, N, False)
+    pool = torch.randn(P, HV, K, K, generator=gen)
+    idx = [2, -1, 0]
+    scale = K ** -0.5
+    what = "recurrent K=%d H=%d HV=%d T=%d slots %s" % (K, H, HV, T, idx)
+    try:
+        o = nan_like(x["v"], dev)
+        pool_dev = pool.clone().to(dev)
+        C.recurrent(x["q"].to(dev), x["k"].to(dev), x["v"].to(dev), x["g"].to(dev), x["beta"].to(dev),
+                    pool_dev, o, scale=scale, state_indices=torch.tensor(idx, dtype=torch.int32).to(dev),
+                    workspace=workspace(C, "recurrent", N, T, H, HV, K, N, dev), stream=stream)
+        sync(dev)
+        o, pool_out = o.cpu(), pool_dev.cpu()
+        errs = {}
+        want_pool = pool.double().clone()
+        o_ref = torch.zeros(N, T, HV, K, dtype=torch.float64)
+        for n, slot in enumerate(idx):
+            if slot < 0:
+                continue
+            on, hn = ref_gdn_f64(x["q"][n:n + 1].double(), x["k"][n:n + 1].double(), x["v"][n:n + 1].double(),
+                                 x["g"][n:n + 1].double(), x["beta"][n:n + 1].double(),
+                                 pool[slot:slot + 1].double(), scale)
+            o_ref[n] = on[0]
+            want_pool[slot] = hn[0]
+        errs["o"] = rel(o, o_ref)
+        errs["ht"] = rel(pool_out, want_pool)
+        untouched = bool(torch.equal(pool_out[1], pool[1]) and torch.equal(pool_out[3], pool[3]))
+        pad_zero = bool((o[1] == 0).all())
+        report(what, errs, TOL)
+        print("sanitize_small: %-44s unused slots untouched %s, padding rows zero %s" % (
+            what, untouched, pad_zero), flush=True)
+        if not (untouched and pad_zero):
+            failures.append(what + " (pool/padding)")
+    except Exception as e:
+        print("sanitize_small: %s raised %s: %s" % (what, type(e).__name__, e), flush=True)
+        failures.append(what)
+
+
+def run(C, dev, stream, quick):
+    for K in ((128,) if quick else (64, 128)):
+        chunk_case(C, K, 1, 2, [130], False, False, stream, dev)             # GVA, one sequence
+        chunk_case(C, K, 2, 2, [1, 65, 64], True, not quick, stream, dev)   # varlen, length-1 seq
+        recurrent_case(C, K, 1, 2, 1 if quick else 2, stream, dev)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer cases (for racecheck)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sanitize_small: no CUDA device; nothing to check")
+        return 2
+    try:
+        import flashqla
+        C = getattr(flashqla, "_C", None)
+        if C is None:
+            import flashqla._C as C  # noqa: F811
+    except Exception:
+        traceback.print_exc()
+        print("sanitize_small: FAILED (flashqla not importable)")
+        return 1
+    if not C.cuda_built():
+        print("sanitize_small: FAILED (flashqla built without CUDA)")
+        return 1
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        run(C, dev, s.cuda_stream, a.quick)
+    if failures:
+        print("sanitize_small: FAILED (%d): %s" % (len(failures), "; ".join(failures)), flush=True)
+        return 1
+    print("sanitize_small: ALL OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

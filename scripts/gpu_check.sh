@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh: THE script run on the GPU machine (H200). It builds flashqla with its
+# CUDA backend, runs the GPU tests, compute-sanitizer (memcheck, racecheck) on a tiny run,
+# then the side-by-side benchmark against FLA, and prints a short ratio table LAST.
+#
+#   bash scripts/gpu_check.sh [--quick] [--no-bench] [--no-tests] [--no-sanitizer] [--all-tests]
+#
+#   --quick         fewer timing replays, racecheck on the quick case set
+#   --all-tests     the whole test suite instead of the tests marked gpu
+# Environment: OUT (default /tmp/out) receives build.log, pytest_gpu.log, sanitizer.log,
+# bench.log, the results JSON + PNG and triton_cache.txz (7 files; the device tool returns 8
+# at most). FQ_TOTAL_BUDGET (s, default 540) bounds the whole run: each stage gets what is
+# left minus a reserve for the later ones, the benchmark skips rows it has no time for.
+# FQ_BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--rows fwd").
+#
+# Carried inputs (ignored paths named in the device call's `carry`):
+#   .whl/    FLA's wheel (fla_core-0.6.0-py3-none-any.whl); installed into /tmp/site
+#   .tcache/ triton_cache.txz (or .tgz) from an earlier run's $OUT: FLA's compiled kernels
+#            and/or autotune picks, which saves minutes of FLA compilation and autotuning
+# Each stage's failure is reported and the next stage still runs, except after a failed build.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.." || exit 1
+
+QUICK=0; BENCH=1; TESTS=1; SAN=1; ALLTESTS=0
+for a in "$@"; do
+    case "$a" in
+        --quick) QUICK=1 ;;
+        --no-bench) BENCH=0 ;;
+        --no-tests) TESTS=0 ;;
+        --no-sanitizer) SAN=0 ;;
+        --all-tests) ALLTESTS=1 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        *) echo "gpu_check: unknown option $a"; exit 2 ;;
+    esac
+done
+
+TOTAL=${FQ_TOTAL_BUDGET:-540}
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+left() { echo $(( TOTAL - $(el) )); }
+SUMMARY=""
+stage_begin() { SNAME=$1; ST=$(date +%s); echo; echo "=== [$(el) s] $SNAME ==="; }
+stage_end() {
+    local d=$(( $(date +%s) - ST ))
+    SUMMARY+=$(printf '%-16s %4d s  %s' "$SNAME" "$d" "$1")$'\n'
+    echo "=== [$(el) s] $SNAME: $1 (${d} s) ==="
+}
+# cap CAP RESERVE: seconds a stage may take, given what later stages need.
+cap() { local c=$1 r=$(( $(left) - $2 )); [ "$r" -lt "$c" ] && c=$r; echo "$c"; }
+WARM_PID=""
+stop_warmup() {
+    if [ -n "$WARM_PID" ] && kill -0 "$WARM_PID" 2>/dev/null; then
+        echo "stopping the FLA warm-up (pid $WARM_PID)"; kill "$WARM_PID" 2>/dev/null; wait "$WARM_PID" 2>/dev/null
+    fi
+    WARM_PID=""
+}
+# The Triton cache (FLA's compiled kernels + autotune picks) goes back in $OUT, under 15 MB:
+# the whole cache if it compresses that far, else only the autotune picks (*.autotune.json:
+# the next run then compiles only the winning configs and benchmarks none).
+save_triton_cache() {
+    local dir=${TRITON_CACHE_DIR:-/nonexistent} z=gzip ext=tgz sz what="whole cache"
+    [ -d "$dir" ] && [ -n "$(ls -A "$dir" 2>/dev/null)" ] || return 0
+    command -v xz > /dev/null 2>&1 && { z="xz -T0 -6"; ext=txz; }
+    rm -f /tmp/triton_cache.t?z
+    (cd "$dir" && tar cf - . | $z > "/tmp/triton_cache.$ext") 2>/dev/null
+    sz=$(stat -c %s "/tmp/triton_cache.$ext" 2>/dev/null || echo 0)
+    if [ "$sz" -ge 15000000 ]; then
+        what="autotune picks only (whole cache: $sz bytes)"
+        (cd "$dir" && find . -name '*.autotune.json' -print0 | tar cf - --null -T - | $z > "/tmp/triton_cache.$ext") 2>/dev/null
+        sz=$(stat -c %s "/tmp/triton_cache.$ext" 2>/dev/null || echo 0)
+    fi
+    if [ "$sz" -gt 0 ] && [ "$sz" -lt 15000000 ]; then
+        cp "/tmp/triton_cache.$ext" "$OUT/" && \
+            echo "Triton cache saved: \$OUT/triton_cache.$ext, $what, $sz bytes (carry it next time as .tcache/triton_cache.$ext)"
+    else
+        echo "Triton cache not saved ($sz bytes)"
+    fi
+}
+final_print() {
+    stop_warmup
+    if [ -f /tmp/fla_warmup.log ] && [ -f "$OUT/bench.log" ]; then
+        { echo; echo "=== FLA warm-up log ==="; cat /tmp/fla_warmup.log; } >> "$OUT/bench.log"
+    elif [ -f /tmp/fla_warmup.log ]; then
+        cp /tmp/fla_warmup.log "$OUT/bench.log"
+    fi
+    save_triton_cache
+    echo; echo "=== stages (total $(el) s of budget $TOTAL s) ==="; printf '%s' "$SUMMARY"
+    if [ -s /tmp/fq_ratio_table.txt ]; then cat /tmp/fq_ratio_table.txt; fi
+}
+
+# ------------------------------------------------------------------ environment --
+stage_begin "environment"
+nvidia-smi -L 2>&1 || echo "nvidia-smi failed"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv 2>&1 || true
+python3 - <<'EOF' 2>&1 || echo "python/torch check failed"
+import sys, torch
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "SMs", p.multi_processor_count, "L2 MB", getattr(p, "L2_cache_size", 0) / 2**20,
+          "capability", "%d.%d" % (p.major, p.minor))
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as e:
+    print("triton not importable:", e)
+EOF
+nvcc --version 2>&1 | tail -n 2 || echo "nvcc not found"
+rm -f /tmp/fq_ratio_table.txt /tmp/fq_results_path.txt /tmp/fla_warmup.log
+# FLA travels as a wheel; only non-framework wheels go into /tmp/site (never shadow torch/triton).
+if compgen -G ".whl/*.whl" > /dev/null; then
+    WHEELS=()
+    for w in .whl/*.whl; do
+        case "$(basename "$w")" in
+            torch-*|triton-*|numpy-*|nvidia_*|jax-*|jaxlib-*|setuptools-*|pip-*|wheel-*) echo "not installing $w (the device has its own)" ;;
+            *) WHEELS+=("$w") ;;
+        esac
+    done
+    if [ ${#WHEELS[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/site "${WHEELS[@]}"; then
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        echo "installed into /tmp/site: ${WHEELS[*]}"
+    else
+        echo "wheel install failed: FLA columns will be empty"
+    fi
+else
+    echo "no .whl/ carried: FLA columns will be empty"
+fi
+python3 -c "import fla; print('fla', fla.__version__, fla.__file__)" 2>&1 | grep -v Warning | tail -n 2
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+for f in .tcache/triton_cache.txz .tcache/triton_cache.tgz; do
+    [ -f "$f" ] || continue
+    case "$f" in *.txz) dec="xz -dc" ;; *) dec="gzip -dc" ;; esac
+    $dec "$f" | tar xf - -C "$TRITON_CACHE_DIR" && echo "restored the Triton cache from $f ($(find "$TRITON_CACHE_DIR" -type f | wc -l) files)"
+    break
+done
+command -v compute-sanitizer > /dev/null 2>&1 && echo "compute-sanitizer: $(command -v compute-sanitizer)"
+stage_end "ok"
+
+# FLA's Triton compile + autotune runs on the GPU while the build uses the CPUs (stopped
+# before the tests start, so that nothing else runs on the GPU while it autotunes).
+if [ "$BENCH" = 1 ] && python3 -c "import fla" > /dev/null 2>&1; then
+    python3 benchmarks/bench_gpu.py --fla-warmup-only > /tmp/fla_warmup.log 2>&1 &
+    WARM_PID=$!
+    echo "FLA warm-up started in the background (pid $WARM_PID)"
+fi
+
+# ------------------------------------------------------------------------ build --
+stage_begin "build"
+BUILD_CAP=$(cap 330 150)
+( time timeout "$BUILD_CAP" python3 -m pip install --no-build-isolation --no-deps -v -e . ) > "$OUT/build.log" 2>&1
+rc=$?
+grep -E "^real" "$OUT/build.log" | tail -n 1
+if [ $rc -ne 0 ]; then
+    echo "--- build failed (rc $rc; 124 = over the ${BUILD_CAP} s cap); tail of build.log:"
+    tail -n 60 "$OUT/build.log"
+    stage_end "FAILED rc=$rc"
+    final_print
+    exit 1
+fi
+# compiler diagnostics from our own sources (setuptools' chatter left out)
+grep -E "\.(c|h|cu|cuh)(\([0-9]+\)|:[0-9]+).*(warning|error)|ptxas (warning|error|fatal)" "$OUT/build.log" | sort -u | head -n 20
+IMPORT_OK=1
+(cd /tmp && python3 -c "import flashqla, flashqla._C as C; print('flashqla', getattr(flashqla, '__version__', '?'), 'from', flashqla.__file__, '| cuda_built', C.cuda_built())") 2>&1 | tail -n 3
+python3 -c "import flashqla._C as C; assert C.cuda_built(), 'CUDA backend not built'" 2>&1 | tail -n 2 || IMPORT_OK=0
+if [ $IMPORT_OK = 1 ]; then stage_end "ok"; else stage_end "built, but flashqla._C is missing or has no CUDA backend"; fi
+
+if [ -n "$WARM_PID" ]; then
+    WAIT_CAP=$(cap 150 240)
+    echo "waiting up to ${WAIT_CAP} s for the FLA warm-up to finish"
+    for _ in $(seq 1 "$WAIT_CAP"); do kill -0 "$WARM_PID" 2>/dev/null || break; sleep 1; done
+    stop_warmup
+    tail -n 3 /tmp/fla_warmup.log
+fi
+
+# ------------------------------------------------------------------------ tests --
+if [ "$TESTS" = 1 ]; then
+    stage_begin "tests"
+    TEST_CAP=$(cap 200 230)
+    if [ "$TEST_CAP" -lt 30 ]; then
+        stage_end "skipped (no time left)"
+    else
+        SEL=(-m gpu); [ "$ALLTESTS" = 1 ] && SEL=()
+        TO=(); python3 -c "import pytest_timeout" > /dev/null 2>&1 && TO=(--timeout=120)
+        timeout "$TEST_CAP" python3 -m pytest tests "${SEL[@]}" -q -rfE --maxfail="${FQ_MAXFAIL:-10}" "${TO[@]}" \
+            -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+        rc=$?
+        grep -E "^(FAILED|ERROR) " "$OUT/pytest_gpu.log" | head -n 20
+        line=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran" "$OUT/pytest_gpu.log" | tail -n 1)
+        echo "pytest: ${line:-no summary line (see pytest_gpu.log)}"
+        [ $rc -eq 124 ] && echo "pytest stopped at the ${TEST_CAP} s cap"
+        stage_end "rc=$rc ${line:-}"
+    fi
+fi
+
+# -------------------------------------------------------------------- sanitizer --
+if [ "$SAN" = 1 ]; then
+    stage_begin "sanitizer"
+    CS=$(command -v compute-sanitizer || true)
+    [ -z "$CS" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ] && CS=/usr/local/cuda/bin/compute-sanitizer
+    if [ -z "$CS" ]; then
+        echo "compute-sanitizer not found" > "$OUT/sanitizer.log"; stage_end "skipped (no compute-sanitizer)"
+    else
+        : > "$OUT/sanitizer.log"
+        RES=""
+        for tool in memcheck racecheck; do
+            if [ "$tool" = memcheck ]; then C=$(cap 120 190); ARGS=(); else C=$(cap 90 160); ARGS=(--quick); fi
+            [ "$QUICK" = 1 ] && ARGS=(--quick)
+            if [ "$C" -lt 20 ]; then RES+="$tool: skipped (time); "; continue; fi
+            echo "--- $tool (cap ${C} s)" | tee -a "$OUT/sanitizer.log"
+            timeout "$C" "$CS" --tool "$tool" --error-exitcode 86 --print-limit 30 \
+                python3 dev/sanitize_small.py "${ARGS[@]}" >> "$OUT/sanitizer.log" 2>&1
+            rc=$?
+            sed -n '/^--- '"$tool"'/,$p' "$OUT/sanitizer.log" | \
+                grep -E "sanitize_small: .*(FAIL|raised|ALL OK|FAILED|nothing to check)|ERROR SUMMARY|RACECHECK SUMMARY|Device not supported|Traceback" | tail -n 8
+            case $rc in
+                0) RES+="$tool: clean; " ;;
+                86) RES+="$tool: ERRORS (rc 86); " ;;
+                2) RES+="$tool: no CUDA device seen; " ;;
+                124) RES+="$tool: timed out at ${C} s; " ;;
+                *) RES+="$tool: rc $rc (checks failed or crashed); " ;;
+            esac
+        done
+        stage_end "$RES"
+    fi
+fi
+
+# ------------------------------------------------------------------------ bench --
+if [ "$BENCH" = 1 ]; then
+    stage_begin "bench"
+    BC=$(( $(left) - 15 ))
+    if [ "$BC" -lt 60 ]; then
+        stage_end "skipped (no time left: $(left) s)"
+    else
+        QA=(); [ "$QUICK" = 1 ] && QA=(--quick)
+        # shellcheck disable=SC2086
+        timeout "$BC" python3 benchmarks/bench_gpu.py --rows all "${QA[@]}" --out benchmarks/results \
+            --time-budget $(( BC - 50 )) --table-file /tmp/fq_ratio_table.txt --path-file /tmp/fq_results_path.txt \
+            ${FQ_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+        rc=$?
+        if [ ! -s /tmp/fq_ratio_table.txt ] && [ -s /tmp/fq_results_path.txt ]; then
+            J=$(head -n 1 /tmp/fq_results_path.txt)
+            if [ -f "$J" ]; then
+                echo "bench stopped early (rc $rc): tables from the partial $J"
+                python3 benchmarks/bench_gpu.py --from-json "$J" --table-file /tmp/fq_ratio_table.txt > /dev/null 2>&1
+            fi
+        fi
+        stage_end "rc=$rc"
+    fi
+fi
+
+final_print
+exit 0
