@@ -760,14 +760,19 @@ extern "C" size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p)
  *   5  version 3 with bwd_state2 (gdn_cuda_bwd_state.cu: dS in registers,
  *      two barriers per chunk, 4-deep prefetch ring) and bwd_local2 loading h
  *      as a second cp.async group (written after the one H200 run of this
- *      step: not yet measured).
+ *      step: not yet measured);
+ *   6  (default) version 5 with bwd_state3 (gdn_cuda_bwd_state.cu: dS^T in
+ *      registers as the mma A operand, 16 columns per warp or warp pair,
+ *      K-split and columns per block picked by the number of chains, one
+ *      ring barrier per chunk; not yet measured: FLASHQLA_CUDA_BWD_VERSION=5
+ *      returns to version 5).
  * FLASHQLA_CUDA_BWD_V1=1 in the environment selects version 1, else
- * FLASHQLA_CUDA_BWD_VERSION=1..5 picks one (read once, at the first backward
+ * FLASHQLA_CUDA_BWD_VERSION=1..6 picks one (read once, at the first backward
  * call). fq_cuda_bwd_set_version (no gdn.h entry; for
  * dev/cuda/check_bwd.cu, which checks and times every version) overrides. */
 static int fq_bwd_version = 0;
 
-extern "C" void fq_cuda_bwd_set_version(int v) { fq_bwd_version = (v >= 1 && v <= 5) ? v : 3; }
+extern "C" void fq_cuda_bwd_set_version(int v) { fq_bwd_version = (v >= 1 && v <= 6) ? v : 3; }
 
 static int fq_bwd_get_version(void)
 {
@@ -775,8 +780,8 @@ static int fq_bwd_get_version(void)
         const char *e = getenv("FLASHQLA_CUDA_BWD_V1");
         const char *v = getenv("FLASHQLA_CUDA_BWD_VERSION");
         if (e && e[0] == '1') fq_bwd_version = 1;
-        else if (v && v[0] >= '1' && v[0] <= '5' && v[1] == 0) fq_bwd_version = v[0] - '0';
-        else fq_bwd_version = 5;
+        else if (v && v[0] >= '1' && v[0] <= '6' && v[1] == 0) fq_bwd_version = v[0] - '0';
+        else fq_bwd_version = 6;
     }
     return fq_bwd_version;
 }
@@ -789,7 +794,7 @@ static fq_status fq_bwd_launch_kv(const fq_gdn_params *p, const fq_bwd_ws *ws, c
     fq_status st;
     const int ver = fq_bwd_get_version();
     if (ver >= 3) {
-        if ((st = fq_bwd_local2_launch(p, args, nc, ver == 5, stream)) != FQ_OK) return st;
+        if ((st = fq_bwd_local2_launch(p, args, nc, ver >= 5, stream)) != FQ_OK) return st;
     } else if (nc > 0) {
         const int bytes = fq_local_smem<K, V>::bytes;
         if ((st = fq_cuda_set_smem((const void *)fq_bwd_local_kernel<K, V>, bytes)) != FQ_OK) return st;
@@ -797,7 +802,9 @@ static fq_status fq_bwd_launch_kv(const fq_gdn_params *p, const fq_bwd_ws *ws, c
         FQ_CUDA_CHECK_LAUNCH();
     }
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-    if (ver == 5) {
+    if (ver == 6) {
+        if ((st = fq_bwd_state3_launch(p, args, 0, 0, stream)) != FQ_OK) return st;
+    } else if (ver == 5) {
         if ((st = fq_bwd_state2_launch(p, args, stream)) != FQ_OK) return st;
     } else if (ver == 4) {
         const int bytes = fq_state_smem<K, V, 3>::bytes;
@@ -837,7 +844,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     fq_status st;
     /* 0-2. recompute the forward's chunk table, gamma, A, W, U, h, Vn */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
-    if ((st = fq_cuda_fwd_wy(p, &ws.f, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[0], stream));
 

@@ -98,6 +98,11 @@ fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int
                                cudaStream_t stream);
 /* Reverse state pass with dS in registers (version 5); grid (N, HV, V / 32). */
 fq_status fq_bwd_state2_launch(const fq_gdn_params *p, const fq_bwd_args &a, cudaStream_t stream);
+/* Reverse state pass laid out like the forward's stage B v2 (version 6):
+ * dS^T in registers, 16 columns per warp (ks 1) or warp pair (ks 2, K-split);
+ * bv state columns per block (16, 32, 64); bv = ks = 0 picks by the number of
+ * 16-column chains vs SMs. Grid N * HV * V / bv. */
+fq_status fq_bwd_state3_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream);
 fq_status fq_bwd_wy2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
 
 #endif /* FQ_GDN_CUDA_BWD_CUH */

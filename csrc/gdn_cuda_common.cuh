@@ -248,6 +248,8 @@ fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
  * launches, never synchronises. */
 fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* Stage A as the backward's recompute runs it (v3 by default; see gdn_cuda_fwd_wy.cu). */
+fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* Stage B: writes ws->h, ws->vn and, when ht != NULL, ht [N, HV, K, V] fp32.
  * bv: state columns per block; v1: 16 or 32, v2: 16, 32 or 64 (16 per warp);
  * 0 picks by occupancy (always valid). */
@@ -267,6 +269,13 @@ int fq_cuda_fwd_use_v1(void);
 void fq_cuda_fwd_set_v1(int v1);
 fq_status fq_cuda_fwd_wy_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* Stage A v3 (persistent, double-buffered loads, recursive-doubling inverse;
+ * gdn_cuda_fwd_wy.cu): the default for stage A when v1 is not selected, unless
+ * FLASHQLA_CUDA_WY_V2=1 (read once) or fq_cuda_fwd_wy_set_v2(1) picks v2
+ * (fq_cuda_fwd_wy_set_v2(-1): back to default/environment). */
+fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+int fq_cuda_fwd_wy_use_v2(void);
+void fq_cuda_fwd_wy_set_v2(int v2);
 fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                                cudaStream_t stream);
 fq_status fq_cuda_fwd_state_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,

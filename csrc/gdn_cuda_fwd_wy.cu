@@ -17,6 +17,8 @@
  */
 #include "gdn_cuda_common.cuh"
 
+#include <stdlib.h> /* getenv, atoi */
+
 struct fq_wy_args {
     const fq_chunk_info *chunks;
     const fq_bf16 *kb, *vb;
@@ -601,9 +603,395 @@ extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *
                    (long long)p->K, (long long)p->V);
 }
 
-/* Stage A: v1 or v2 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1). */
+/* ------------------------------------------------------------------ v3 ----
+ *
+ * Same outputs as v2 (same L, same diagonal inverses, same W/U code), made
+ * persistent and pipelined, and with a shallower inverse:
+ *
+ *   grid    min(items, SMs x blocks per SM) blocks of 128 threads (2 per SM by
+ *           shared memory), each looping over the work items it = (chunk,
+ *           value head) = blockIdx.x, blockIdx.x + gridDim.x, ...
+ *   loads   K and V tiles double-buffered: item i+1's cp.async group is issued
+ *           before item i's compute starts, its g, beta, rk loads go to
+ *           registers of warp 0 meanwhile and its chunk-table entry is read one
+ *           item earlier still, so no load latency is on the critical path;
+ *           W, U stores are fire-and-forget as before
+ *   A       (I + L)^-1 by recursive doubling on the 16x16 blocks (v2: column
+ *           block by column block, 9 dependent 16^3 products on warp 0):
+ *             D_i  = (I + L_ii)^-1                              4 warps (as v2)
+ *             A_10 = -D_1 (L_10 D_0),  A_32 = -D_3 (L_32 D_2)     warps 0, 1
+ *             T_ij = sum_k L_ik Inv0_kj   (i = 2,3; j = 0,1;  Inv0 = [D_0 0; A_10 D_1])
+ *                    T_2j = L_20 D_0 + L_21 A_10 (j = 0), L_21 D_1 (j = 1); T_3j likewise
+ *             A_2j = -D_2 T_2j,  A_3j = -(A_32 T_2j + D_3 T_3j)      warp w: (2 + w/2, w%2)
+ *           (the 2x2 block rule [P 0; Q R]^-1 = [P^-1 0; -R^-1 Q P^-1 R^-1]
+ *           applied at 32 then 64 rows): 6 dependent products, all fp32 FFMA
+ *           from shared memory as in v2 (other association order only).
+ *           Scratch T: the blocks above the diagonal of Lf (never written by L).
+ */
+template <int K, int V> struct fq_wy3_smem {
+    static constexpr int LDK = K + 8, LDV = V + 8;
+    static constexpr int kbytes = 64 * LDK * 2, vbytes = 64 * LDV * 2;
+    static constexpr int off_k0 = 0;
+    static constexpr int off_v0 = off_k0 + kbytes;
+    static constexpr int off_k1 = off_v0 + vbytes;
+    static constexpr int off_v1 = off_k1 + kbytes;
+    static constexpr int off_l = off_v1 + vbytes;
+    static constexpr int off_a = off_l + 64 * FQ_WY2_LDF * 4;
+    static constexpr int off_vec = off_a + 64 * FQ_WY2_LDF * 4;
+    static constexpr int bytes = off_vec + 4 * 64 * 4;
+};
+
+/* One 16x16 fp32 block product into shared memory, one warp:
+ * out = sign * (X0 Y0 [+ X1 Y1]) (X1 == NULL: one term); all blocks row
+ * stride FQ_WY2_LDF. out must not alias an input. */
+static __device__ __forceinline__ void fq_wy3_blk(float *out, float sign, const float *X0, const float *Y0,
+                                                  const float *X1, const float *Y1)
+{
+    const int lane = threadIdx.x & 31, r = lane >> 1, cb = (lane & 1) * 8;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[e] = 0.f;
+    fq_mm16_acc(acc, X0, Y0, r, cb);
+    if (X1) fq_mm16_acc(acc, X1, Y1, r, cb);
+    float *dst = out + r * FQ_WY2_LDF + cb;
+    *(float4 *)dst = make_float4(sign * acc[0], sign * acc[1], sign * acc[2], sign * acc[3]);
+    *(float4 *)(dst + 4) = make_float4(sign * acc[4], sign * acc[5], sign * acc[6], sign * acc[7]);
+}
+
+/* K, V rows of chunk ci (value head j, q/k head hq) -> shared, asynchronously
+ * (zeros past len). No commit. */
+template <int K, int V>
+static __device__ __forceinline__ void fq_wy3_issue(const fq_wy_args &args, fq_chunk_info ci, int j, fq_bf16 *Ks,
+                                                    fq_bf16 *Vs)
+{
+    typedef fq_wy3_smem<K, V> SM;
+    const int tid = threadIdx.x, hq = j / (args.HV / args.H);
+    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        const fq_bf16 *src = args.kb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
+        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
+    }
+    for (int idx = tid; idx < 64 * (V / 8); idx += 128) {
+        int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
+        const fq_bf16 *src = args.vb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.vb + ((int64_t)(ci.row0 + r) * args.HV + j) * V + c; bytes = 16; }
+        fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
+    }
+}
+
+/* g, beta, rk of tokens lane and lane + 32 of chunk ci (zeros past len, or
+ * everywhere when ci.seq < 0), into registers; warp 0 only. */
+static __device__ __forceinline__ void fq_wy3_gates(const fq_wy_args &args, fq_chunk_info ci, int j, float gv[2],
+                                                    float bv[2], float rv[2])
+{
+    const int lane = threadIdx.x & 31, hq = j / (args.HV / args.H);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = lane + 32 * h;
+        gv[h] = bv[h] = rv[h] = 0.f;
+        if (ci.seq >= 0 && r < ci.len) {
+            int64_t gi = (int64_t)(ci.row0 + r) * args.HV + j;
+            gv[h] = fq_ld_f(args.g, args.gate_dtype, gi);
+            bv[h] = fq_ld_f(args.beta, args.gate_dtype, gi);
+            rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
+        }
+    }
+}
+
+static __device__ __forceinline__ fq_chunk_info fq_wy3_chunk(const fq_wy_args &args, int64_t it, int64_t items)
+{
+    fq_chunk_info ci;
+    if (it < items) {
+        ci = args.chunks[it / args.HV];
+    } else {
+        ci.seq = -1;
+        ci.row0 = ci.len = ci.local = 0;
+    }
+    return ci;
+}
+
+template <int K, int V>
+__global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int64_t items)
+{
+    typedef fq_wy3_smem<K, V> SM;
+    constexpr int LDF = FQ_WY2_LDF;
+    extern __shared__ __align__(16) unsigned char smem[];
+    float *Lf = (float *)(smem + SM::off_l);
+    float *Af = (float *)(smem + SM::off_a);
+    float *gam = (float *)(smem + SM::off_vec);
+    float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
+
+    const int HV = args.HV;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+    const int64_t stride = gridDim.x;
+
+    /* prologue: item blockIdx.x's tiles and gates in flight, the next item's
+     * chunk-table entry read */
+    int64_t it = blockIdx.x;
+    fq_chunk_info ci = fq_wy3_chunk(args, it, items);
+    fq_chunk_info cn = fq_wy3_chunk(args, it + stride, items);
+    if (ci.seq >= 0)
+        fq_wy3_issue<K, V>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
+    fq_cp_async_commit();
+    float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
+    if (warp == 0) fq_wy3_gates(args, ci, (int)(it % HV), gv, bv, rv);
+
+#pragma unroll 1
+    for (int buf = 0; it < items; it += stride, buf ^= 1) {
+        const int64_t nit = it + stride;
+        const fq_chunk_info cnn = fq_wy3_chunk(args, nit + stride, items); /* used two items on */
+        fq_bf16 *Ks = (fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k0));
+        fq_bf16 *Vs = (fq_bf16 *)(smem + (buf ? SM::off_v1 : SM::off_v0));
+
+        __syncthreads(); /* the previous item is done with Lf, Af, vec and buffer buf ^ 1 */
+        if (cn.seq >= 0)
+            fq_wy3_issue<K, V>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
+                               (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
+        fq_cp_async_commit();
+
+        /* gamma = cumsum(g) (warp 0: tokens lane and lane + 32), beta, rk and
+         * the W column factors fw = beta e^gamma rk; then the next item's gates */
+        if (warp == 0) {
+            for (int o = 1; o < 32; o <<= 1) {
+                float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
+                if (lane >= o) { gv[0] += y0; gv[1] += y1; }
+            }
+            gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int r = lane + 32 * h;
+                gam[r] = gv[h];
+                bet[r] = bv[h];
+                rkv[r] = rv[h];
+                fw[r] = bv[h] * __expf(gv[h]) * rv[h];
+            }
+            fq_wy3_gates(args, cn, (int)(nit % HV), gv, bv, rv);
+        }
+        fq_cp_async_wait<1>(); /* this item's group (all but the newest) */
+        __syncthreads();
+
+        if (ci.seq >= 0) { /* block-uniform */
+            /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)): warp w, rows
+             * 16w..16w+15, column blocks 0..w (as v2) */
+            {
+                float acc[8][4];
+#pragma unroll
+                for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < K / 16; kk++) {
+                    uint32_t a[4];
+                    fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
+#pragma unroll
+                    for (int n2 = 0; n2 < 4; n2++) {
+                        if (n2 > warp) continue;
+                        uint32_t b[4];
+                        fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
+                        fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+                        fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < 8; n++) {
+                    if ((n >> 1) > warp) continue;
+#pragma unroll
+                    for (int hr = 0; hr < 2; hr++) {
+                        int r = 16 * warp + gq + 8 * hr, c = 8 * n + 2 * tq;
+                        float fr = bet[r] * rkv[r];
+                        float2 x;
+                        x.x = (c < r) ? fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr] : 0.f;
+                        x.y = (c + 1 < r) ? fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1] : 0.f;
+                        *(float2 *)(Lf + r * LDF + c) = x;
+                    }
+                }
+            }
+            __syncthreads();
+
+            /* D_w = (I + L_ww)^-1 (as v2) */
+            {
+                const int b = 16 * warp, c = lane & 15;
+                float x[16];
+#pragma unroll
+                for (int i = 0; i < 16; i++) x[i] = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; i++) {
+                    float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+                    for (int jb = 0; jb < i; jb += 4) {
+                        float4 l4 = *(const float4 *)(Lf + (b + i) * LDF + b + jb);
+                        s0 -= l4.x * x[jb];
+                        s1 -= l4.y * x[jb + 1];
+                        s2 -= l4.z * x[jb + 2];
+                        s3 -= l4.w * x[jb + 3];
+                    }
+                    x[i] = (s0 + s1) + (s2 + s3);
+                }
+                if (lane < 16) {
+#pragma unroll
+                    for (int i = 0; i < 16; i++) Af[(b + i) * LDF + b + c] = x[i];
+                }
+            }
+            __syncthreads();
+
+#define FQ_WY3_BLK(base, i, k) ((base) + 16 * (i) * LDF + 16 * (k)) /* block (i, k) of a 64x64 fp32 tile */
+            /* A_10 = -D_1 (L_10 D_0) (warp 0), A_32 = -D_3 (L_32 D_2) (warp 1);
+             * scratch: Lf blocks (0, 1) and (2, 3) */
+            if (warp < 2) {
+                const int p = 2 * warp; /* 0 or 2 */
+                float *T = FQ_WY3_BLK(Lf, p, p + 1);
+                fq_wy3_blk(T, 1.f, FQ_WY3_BLK(Lf, p + 1, p), FQ_WY3_BLK(Af, p, p), NULL, NULL);
+                __syncwarp();
+                fq_wy3_blk(FQ_WY3_BLK(Af, p + 1, p), -1.f, FQ_WY3_BLK(Af, p + 1, p + 1), T, NULL, NULL);
+            }
+            __syncthreads();
+            /* T_ij = sum_k L_ik Inv0_kj, warp w: i = 2 + w / 2, j = w % 2, into
+             * Lf block (i - 2, j + 2) */
+            {
+                const int i = 2 + (warp >> 1), jc = warp & 1;
+                float *T = FQ_WY3_BLK(Lf, i - 2, jc + 2);
+                if (jc == 0)
+                    fq_wy3_blk(T, 1.f, FQ_WY3_BLK(Lf, i, 0), FQ_WY3_BLK(Af, 0, 0), FQ_WY3_BLK(Lf, i, 1),
+                               FQ_WY3_BLK(Af, 1, 0));
+                else
+                    fq_wy3_blk(T, 1.f, FQ_WY3_BLK(Lf, i, 1), FQ_WY3_BLK(Af, 1, 1), NULL, NULL);
+            }
+            __syncthreads();
+            /* A_2j = -D_2 T_2j, A_3j = -(A_32 T_2j + D_3 T_3j) */
+            {
+                const int i = 2 + (warp >> 1), jc = warp & 1;
+                const float *T2 = FQ_WY3_BLK(Lf, 0, jc + 2), *T3 = FQ_WY3_BLK(Lf, 1, jc + 2);
+                if (i == 2)
+                    fq_wy3_blk(FQ_WY3_BLK(Af, 2, jc), -1.f, FQ_WY3_BLK(Af, 2, 2), T2, NULL, NULL);
+                else
+                    fq_wy3_blk(FQ_WY3_BLK(Af, 3, jc), -1.f, FQ_WY3_BLK(Af, 3, 2), T2, FQ_WY3_BLK(Af, 3, 3), T3);
+            }
+#undef FQ_WY3_BLK
+            __syncthreads();
+
+            /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as v2) */
+            const int64_t tile = it * 64; /* (chunk * HV + j) * 64 */
+            fq_wy2_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+            fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
+            if (args.a) {
+                fq_bf16 *ag = args.a + tile * 64;
+                for (int idx = tid; idx < 64 * 8; idx += 128) {
+                    int r = idx >> 3, c = (idx & 7) * 8;
+                    float4 x0 = *(const float4 *)(Af + r * LDF + c), x1 = *(const float4 *)(Af + r * LDF + c + 4);
+                    float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                    uint32_t pk[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        pk[e] = fq_pack_bf16(c + 2 * e <= r ? xs[2 * e] : 0.f, c + 2 * e + 1 <= r ? xs[2 * e + 1] : 0.f);
+                    *(uint4 *)(ag + r * 64 + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+                }
+            }
+            if (tid < 64) {
+                args.gamma[tile + tid] = gam[tid];
+                args.kdecay[tile + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
+            }
+        }
+        ci = cn;
+        cn = cnn;
+    }
+    fq_cp_async_wait<0>(); /* nothing left in flight at exit */
+}
+
+template <int K, int V>
+static fq_status fq_launch_wy3(const fq_wy_args &args, int64_t items, cudaStream_t stream)
+{
+    int bytes = fq_wy3_smem<K, V>::bytes;
+    int dev = 0, sms = 0, per_sm = 0, optin = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (optin < bytes) return fq_launch_wy2<K, V>(args, items, stream); /* small-smem GPUs: v2 */
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy3_kernel<K, V>, bytes);
+    if (st != FQ_OK) return st;
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy3_kernel<K, V>, 128, bytes));
+    if (per_sm < 1) per_sm = 1;
+    int64_t blocks = (int64_t)sms * per_sm;
+    if (blocks > items) blocks = items;
+    if (blocks < 1) blocks = 1;
+    fq_fwd_wy3_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    int64_t items = ws->nc_max * p->HV;
+    if (items <= 0) return FQ_OK;
+    fq_wy_args args;
+    args.chunks = ws->chunks;
+    args.kb = ws->kb;
+    args.vb = ws->vb;
+    args.g = p->g;
+    args.beta = p->beta;
+    args.gate_dtype = p->gate_dtype;
+    args.rk = ws->rk;
+    args.H = (int)p->H;
+    args.HV = (int)p->HV;
+    args.gamma = ws->gamma;
+    args.kdecay = ws->kdecay;
+    args.w = ws->w;
+    args.u = ws->u;
+    args.a = ws->a;
+    if (p->K == 128 && p->V == 128) return fq_launch_wy3<128, 128>(args, items, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy3<128, 64>(args, items, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy3<64, 128>(args, items, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy3<64, 64>(args, items, stream);
+    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
+                   (long long)p->K, (long long)p->V);
+}
+
+/* ------------------------------------------------------ variant switch ----
+ * 1: stage A runs v3 unless FLASHQLA_CUDA_WY_V2=1 (then v2); 0: v2 unless
+ * FLASHQLA_CUDA_WY_V2=0. FLASHQLA_CUDA_FWD_V1=1 (fq_cuda_fwd_use_v1) still
+ * selects v1 first. */
+#ifndef FQ_CUDA_WY_DEFAULT_V3
+#define FQ_CUDA_WY_DEFAULT_V3 0
+#endif
+
+static volatile int fq_wy_v2_flag = -1; /* -1: not decided yet */
+
+extern "C" int fq_cuda_fwd_wy_use_v2(void)
+{
+    int v = fq_wy_v2_flag;
+    if (v < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_WY_V2");
+        v = (e && e[0]) ? (atoi(e) != 0) : !FQ_CUDA_WY_DEFAULT_V3;
+        fq_wy_v2_flag = v; /* every thread computes the same value */
+    }
+    return v;
+}
+
+extern "C" void fq_cuda_fwd_wy_set_v2(int v2)
+{
+    fq_wy_v2_flag = v2 < 0 ? -1 : (v2 != 0);
+}
+
+/* Stage A: v1 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1), else v2 or v3
+ * by fq_cuda_fwd_wy_use_v2() (FLASHQLA_CUDA_WY_V2). The forward runs v2 by
+ * default: on the H200 the persistent v3 made the whole forward 4-8% slower
+ * (benchmarks/NOTES.md, "Stage A v3"). */
 extern "C" fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_wy_v1(p, ws, stream);
-    return fq_cuda_fwd_wy_v2(p, ws, stream);
+    if (fq_cuda_fwd_wy_use_v2()) return fq_cuda_fwd_wy_v2(p, ws, stream);
+    return fq_cuda_fwd_wy_v3(p, ws, stream);
+}
+
+/* Stage A for the backward's recompute: v3 unless FLASHQLA_CUDA_WY_V2=1 (or
+ * FLASHQLA_CUDA_FWD_V1=1). This is the configuration the backward rows of
+ * benchmarks/results were measured with; v2 there is not measured. */
+extern "C" fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws,
+                                              cudaStream_t stream)
+{
+    if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_wy_v1(p, ws, stream);
+    const char *e = getenv("FLASHQLA_CUDA_WY_V2");
+    if (e && e[0] && atoi(e) != 0) return fq_cuda_fwd_wy_v2(p, ws, stream);
+    return fq_cuda_fwd_wy_v3(p, ws, stream);
 }

@@ -37,13 +37,14 @@
 #include "gdn.h"
 
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev);
-extern "C" void fq_cuda_bwd_set_version(int v); /* 1..5: see gdn_cuda_bwd.cu */
+extern "C" void fq_cuda_bwd_set_version(int v); /* 1..6: see gdn_cuda_bwd.cu */
 
 /* v1: first verified backward; v2: fused bwd_wy; v3 (default): fused
  * bwd_local + bwd_wy, no qk_reduce; v4: v3 + 3-deep ring in bwd_state;
- * v5: v3 + bwd_state2 (dS in registers) */
-#define NVER 5
-static const char *ver_name[NVER + 1] = {"", "v1", "v2", "v3", "v4", "v5"};
+ * v5: v3 + bwd_state2 (dS in registers); v6: v5 + bwd_state3 (dS^T as the
+ * mma A operand, K-split / columns per block picked by the chain count) */
+#define NVER 6
+static const char *ver_name[NVER + 1] = {"", "v1", "v2", "v3", "v4", "v5", "v6"};
 /* the versions this run checks ("versions=1,2,3" on the command line; all by
  * default); the first one is the reference of the timing cross-check */
 static std::vector<int> vers;

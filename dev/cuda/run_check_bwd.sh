@@ -28,14 +28,19 @@ echo "=== built in $(( $(date +%s) - T0 )) s"
 echo "=== full check + timings, measured versions v1..v4 (v3 = default)"
 OMP_NUM_THREADS=$(nproc) timeout 100 $B/check_bwd versions=1234 2>&1 | tee $OUTDIR/check_bwd.log
 echo "=== exit status ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
-echo "=== experiment v5 (bwd_state2) against v3, separate process"
-OMP_NUM_THREADS=$(nproc) timeout 70 $B/check_bwd versions=35 2>&1 | tee $OUTDIR/check_bwd_v5.log
+echo "=== experiments v5 (bwd_state2), v6 (bwd_state3) against v3, separate process"
+OMP_NUM_THREADS=$(nproc) timeout 90 $B/check_bwd versions=356 2>&1 | tee $OUTDIR/check_bwd_v5.log
 echo "=== exit status ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+echo "=== v6 with each bwd_state3 configuration forced (the small cases pick ks 2, bv 16)"
+for cfg in 16:1 32:1 32:2 64:1 64:2; do
+  echo "--- FLASHQLA_CUDA_BWD_STATE=$cfg"
+  FLASHQLA_CUDA_BWD_STATE=$cfg OMP_NUM_THREADS=$(nproc) timeout 30 $B/check_bwd small versions=6 2>&1 | tail -3
+done
 if command -v compute-sanitizer >/dev/null; then
   echo "=== memcheck, small (all versions)"
-  timeout 30 compute-sanitizer --tool memcheck $B/check_bwd small versions=12345 2>&1 | tail -6 | tee $OUTDIR/memcheck_bwd.log
+  timeout 40 compute-sanitizer --tool memcheck $B/check_bwd small versions=123456 2>&1 | tail -6 | tee $OUTDIR/memcheck_bwd.log
   echo "=== racecheck, small (all versions)"
-  timeout 30 compute-sanitizer --tool racecheck $B/check_bwd small versions=12345 2>&1 | tail -6 | tee $OUTDIR/racecheck_bwd.log
+  timeout 40 compute-sanitizer --tool racecheck $B/check_bwd small versions=123456 2>&1 | tail -6 | tee $OUTDIR/racecheck_bwd.log
 fi
 echo "=== done at $(( $(date +%s) - T0 )) s"
 exit 0
