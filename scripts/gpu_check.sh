@@ -153,6 +153,8 @@ fi
 # ------------------------------------------------------------------------ build --
 stage_begin "build"
 BUILD_CAP=$(cap 330 150)
+# nothing after it runs without a build: never cut it below 240 s, whatever FQ_TOTAL_BUDGET says
+[ "$BUILD_CAP" -lt 240 ] && BUILD_CAP=240
 ( time timeout "$BUILD_CAP" python3 -m pip install --no-build-isolation --no-deps -v -e . ) > "$OUT/build.log" 2>&1
 rc=$?
 grep -E "^real" "$OUT/build.log" | tail -n 1
