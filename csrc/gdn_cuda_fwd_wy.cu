@@ -384,6 +384,77 @@ static __device__ __forceinline__ void fq_wy2_apply(const float *Af, const float
     }
 }
 
+/* Shared by the v2 and v3 kernels (one 64-token chunk, 4 warps, fp32 tiles of
+ * row stride FQ_WY2_LDF in shared memory):
+ * L = strict_lower(diag(beta) (K K^T ⊙ Gamma)), scaled by the inverse key norms
+ * rk: warp w writes rows 16w..16w+15, column blocks 0..w (the blocks above stay
+ * unwritten: the callers use them as scratch). */
+template <int K, int LDK>
+static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf, const float *gam,
+                                                   const float *bet, const float *rkv, int warp, int gq,
+                                                   int tq)
+{
+    constexpr int LDF = FQ_WY2_LDF;
+    float acc[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        uint32_t a[4];
+        fq_frag_a(a, Ks, LDK, 16 * warp, 16 * kk);
+#pragma unroll
+        for (int n2 = 0; n2 < 4; n2++) {
+            if (n2 > warp) continue;
+            uint32_t b[4];
+            fq_frag_b_nk(b, Ks, LDK, 16 * n2, 16 * kk);
+            fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+            fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        if ((n >> 1) > warp) continue;
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            int r = 16 * warp + gq + 8 * hr, c = 8 * n + 2 * tq;
+            float fr = bet[r] * rkv[r];
+            float2 x;
+            x.x = (c < r) ? fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr] : 0.f;
+            x.y = (c + 1 < r) ? fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1] : 0.f;
+            *(float2 *)(Lf + r * LDF + c) = x;
+        }
+    }
+}
+
+/* D_w = (I + L_ww)^-1, the inverse of warp w's diagonal block: lane -> column
+ * c = lane % 16 (lanes 16..31 repeat lanes 0..15),
+ * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c]; written to Af's block (w, w). */
+static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float *Af, int warp, int lane)
+{
+    constexpr int LDF = FQ_WY2_LDF;
+    const int b = 16 * warp, c = lane & 15;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) x[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+        for (int jb = 0; jb < i; jb += 4) {
+            float4 l4 = *(const float4 *)(Lf + (b + i) * LDF + b + jb);
+            s0 -= l4.x * x[jb];
+            s1 -= l4.y * x[jb + 1];
+            s2 -= l4.z * x[jb + 2];
+            s3 -= l4.w * x[jb + 3];
+        }
+        x[i] = (s0 + s1) + (s2 + s3);
+    }
+    if (lane < 16) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) Af[(b + i) * LDF + b + c] = x[i];
+    }
+}
+
 template <int K, int V>
 __global__ void __launch_bounds__(128, 3) fq_fwd_wy2_kernel(fq_wy_args args)
 {
@@ -452,66 +523,12 @@ __global__ void __launch_bounds__(128, 3) fq_fwd_wy2_kernel(fq_wy_args args)
     fq_cp_async_wait<0>();
     __syncthreads();
 
-    /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)): warp w, rows 16w..16w+15,
-     * column blocks 0..w (the blocks above stay unwritten: scratch below) */
-    {
-        float acc[8][4];
-#pragma unroll
-        for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < K / 16; kk++) {
-            uint32_t a[4];
-            fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
-#pragma unroll
-            for (int n2 = 0; n2 < 4; n2++) {
-                if (n2 > warp) continue;
-                uint32_t b[4];
-                fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
-                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
-                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            if ((n >> 1) > warp) continue;
-#pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                int r = 16 * warp + gq + 8 * hr, c = 8 * n + 2 * tq;
-                float fr = bet[r] * rkv[r];
-                float2 x;
-                x.x = (c < r) ? fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr] : 0.f;
-                x.y = (c + 1 < r) ? fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1] : 0.f;
-                *(float2 *)(Lf + r * LDF + c) = x;
-            }
-        }
-    }
+    /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)) */
+    fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq);
     __syncthreads();
 
-    /* D_w = (I + L_ww)^-1: lane -> column c = lane % 16 (lanes 16..31 repeat
-     * lanes 0..15), D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c] */
-    {
-        const int b = 16 * warp, c = lane & 15;
-        float x[16];
-#pragma unroll
-        for (int i = 0; i < 16; i++) x[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll
-            for (int jb = 0; jb < i; jb += 4) {
-                float4 l4 = *(const float4 *)(Lf + (b + i) * LDF + b + jb);
-                s0 -= l4.x * x[jb];
-                s1 -= l4.y * x[jb + 1];
-                s2 -= l4.z * x[jb + 2];
-                s3 -= l4.w * x[jb + 3];
-            }
-            x[i] = (s0 + s1) + (s2 + s3);
-        }
-        if (lane < 16) {
-#pragma unroll
-            for (int i = 0; i < 16; i++) Af[(b + i) * LDF + b + c] = x[i];
-        }
-    }
+    /* D_w = (I + L_ww)^-1 for each warp's diagonal block */
+    fq_wy_diag_inverse(Lf, Af, warp, lane);
     __syncthreads();
 
     /* A_ij = -D_i sum_{k=j}^{i-1} L_ik A_kj, column block jb by warp jb; the
@@ -775,65 +792,10 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
         __syncthreads();
 
         if (ci.seq >= 0) { /* block-uniform */
-            /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)): warp w, rows
-             * 16w..16w+15, column blocks 0..w (as v2) */
-            {
-                float acc[8][4];
-#pragma unroll
-                for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++) {
-                    uint32_t a[4];
-                    fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
-#pragma unroll
-                    for (int n2 = 0; n2 < 4; n2++) {
-                        if (n2 > warp) continue;
-                        uint32_t b[4];
-                        fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
-                        fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
-                        fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < 8; n++) {
-                    if ((n >> 1) > warp) continue;
-#pragma unroll
-                    for (int hr = 0; hr < 2; hr++) {
-                        int r = 16 * warp + gq + 8 * hr, c = 8 * n + 2 * tq;
-                        float fr = bet[r] * rkv[r];
-                        float2 x;
-                        x.x = (c < r) ? fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr] : 0.f;
-                        x.y = (c + 1 < r) ? fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1] : 0.f;
-                        *(float2 *)(Lf + r * LDF + c) = x;
-                    }
-                }
-            }
+            fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq); /* L (as v2) */
             __syncthreads();
 
-            /* D_w = (I + L_ww)^-1 (as v2) */
-            {
-                const int b = 16 * warp, c = lane & 15;
-                float x[16];
-#pragma unroll
-                for (int i = 0; i < 16; i++) x[i] = 0.f;
-#pragma unroll
-                for (int i = 0; i < 16; i++) {
-                    float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll
-                    for (int jb = 0; jb < i; jb += 4) {
-                        float4 l4 = *(const float4 *)(Lf + (b + i) * LDF + b + jb);
-                        s0 -= l4.x * x[jb];
-                        s1 -= l4.y * x[jb + 1];
-                        s2 -= l4.z * x[jb + 2];
-                        s3 -= l4.w * x[jb + 3];
-                    }
-                    x[i] = (s0 + s1) + (s2 + s3);
-                }
-                if (lane < 16) {
-#pragma unroll
-                    for (int i = 0; i < 16; i++) Af[(b + i) * LDF + b + c] = x[i];
-                }
-            }
+            fq_wy_diag_inverse(Lf, Af, warp, lane); /* D_w = (I + L_ww)^-1 */
             __syncthreads();
 
 #define FQ_WY3_BLK(base, i, k) ((base) + 16 * (i) * LDF + 16 * (k)) /* block (i, k) of a 64x64 fp32 tile */
