@@ -1,8 +1,9 @@
 /*
  * gdn_cuda_bwd.cuh — what the CUDA backward's files share (internal): the
  * argument block of the backward kernels, small shared-memory helpers, and the
- * launchers of the fused second version (gdn_cuda_bwd_fused.cu) called by the
- * host code in gdn_cuda_bwd.cu. Include only from csrc/gdn_cuda_bwd*.cu.
+ * launchers of the kernels of gdn_cuda_bwd_fused.cu and gdn_cuda_bwd_state.cu
+ * called by the host code in gdn_cuda_bwd.cu. Include only from
+ * csrc/gdn_cuda_bwd*.cu.
  */
 #ifndef FQ_GDN_CUDA_BWD_CUH
 #define FQ_GDN_CUDA_BWD_CUH
@@ -46,20 +47,6 @@ static __device__ __forceinline__ void fq_scale_rows(fq_bf16 *t, int ld, const f
     }
 }
 
-/* Row dot products of two 64 x D tiles (4 threads per row, 256 threads):
- * returns sum_c f(r, c) on every lane of the row's quad, r = threadIdx.x / 4. */
-template <int D, class F>
-static __device__ __forceinline__ float fq_rowdot(F f)
-{
-    const int r = threadIdx.x >> 2, q = threadIdx.x & 3;
-    float s = 0.f;
-#pragma unroll 8
-    for (int c = q; c < D; c += 4) s += f(r, c);
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    return s;
-}
-
 /* ------------------------------------------------------------ arguments ---- */
 
 struct fq_bwd_args {
@@ -80,29 +67,28 @@ struct fq_bwd_args {
     fq_dtype dt, gdt;
     int dout_async;    /* dout is bf16 and 16-byte aligned: cp.async rows */
     int dko_group;     /* 1: dkp holds bwd_local's dK_O summed over the GVA group
-                          in the slot of the group's first value head (version 3) */
+                          in the slot of the group's first value head; always 1
+                          now (0 was for the removed unfused bwd_local) */
     int H, HV;
     float scale;
 };
 
-/* Fused bwd_wy (version 2, gdn_cuda_bwd_fused.cu): one block per (chunk, q/k
- * head) looping over the head's GVA group; also finishes dk (GVA sum of the
- * dK_O partials in a.dkp, L2-norm backward) so the dk half of bwd_qk_reduce
- * disappears. nc: chunk-table bound (grid x). */
-/* Fused bwd_local (versions 3-5): one block per (chunk, q/k head) looping over
- * the GVA group; dq finished in the block (GVA sum + L2-norm backward), dK_O
- * summed over the group (a.dko_group = 1 for bwd_wy2). split_h (version 5):
- * the chunk-start state is loaded as a second cp.async group, waited for only
- * before dO S^T. */
-fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, int split_h,
-                               cudaStream_t stream);
-/* Reverse state pass with dS in registers (version 5); grid (N, HV, V / 32). */
-fq_status fq_bwd_state2_launch(const fq_gdn_params *p, const fq_bwd_args &a, cudaStream_t stream);
-/* Reverse state pass laid out like the forward's stage B v2 (version 6):
- * dS^T in registers, 16 columns per warp (ks 1) or warp pair (ks 2, K-split);
- * bv state columns per block (16, 32, 64); bv = ks = 0 picks by the number of
- * 16-column chains vs SMs. Grid N * HV * V / bv. */
+/* bwd_local2 (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head)
+ * looping over the GVA group; dq finished in the block (GVA sum + L2-norm
+ * backward), dK_O summed over the group (a.dko_group = 1 for bwd_wy2); the
+ * chunk-start state is loaded as a second cp.async group, waited for only
+ * before dO S^T. nc: chunk-table bound (grid x). */
+fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
+/* bwd_state3 (gdn_cuda_bwd_state.cu), the reverse state pass laid out like the
+ * forward's stage B: dS^T in registers, 16 columns per warp (ks 1) or warp
+ * pair (ks 2, K-split); bv state columns per block (16, 32, 64); bv = ks = 0
+ * picks by the number of 16-column chains vs SMs, unless the environment
+ * variable FLASHQLA_CUDA_BWD_STATE=BV:KS (read once) forces one. Grid
+ * N * HV * V / bv. */
 fq_status fq_bwd_state3_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream);
+/* bwd_wy2 (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head) looping
+ * over the GVA group; also finishes dk (GVA sum of the dK_O partials in
+ * a.dkp, L2-norm backward). */
 fq_status fq_bwd_wy2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
 
 #endif /* FQ_GDN_CUDA_BWD_CUH */

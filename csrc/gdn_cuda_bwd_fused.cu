@@ -1,15 +1,16 @@
 /*
- * gdn_cuda_bwd_fused.cu — version 2 of the backward's bwd_wy stage (step 5 of
- * gdn_cuda_bwd.cu), chosen by the host code unless FLASHQLA_CUDA_BWD_V1=1.
+ * gdn_cuda_bwd_fused.cu — the backward's bwd_wy stage (step 5 of
+ * gdn_cuda_bwd.cu) as bwd_wy2, and bwd_local2 (step 3) further down.
  *
- * Same equations as fq_bwd_wy_kernel (version 1, kept in gdn_cuda_bwd.cu);
+ * Same equations as the first, unfused bwd_wy kernel (removed: git history,
+ * commit 4599409); what changes is where the intermediates live:
  * what changes is where the intermediates live:
  *   - one block per (chunk, q/k head); the block loops over the GVA group's
  *     value heads and keeps dK (64 x K, fp32) in mma accumulator registers
  *     across the whole group, so dk is written once, finished: plus the
  *     group's dK_O partials of bwd_local, then the L2-norm backward
  *         k_hat = k r:  dk = r (dk_hat - k_hat (k_hat . dk_hat))
- *     (bwd_qk_reduce then only runs for dq);
+ *     (the removed separate reduction kernel then only ran for dq);
  *   - every 64 x K and 64 x 64 product stays in registers (warp w owns the
  *     16 x 32 tiles at rows 16 (w % 4), columns 32 (w / 4) + 64 i), its
  *     elementwise work (row scales, row/column sums, Gamma, dL) done in the
@@ -18,8 +19,8 @@
  *     (the products F1 = Vn dS_next^T and dW = -dVn S^T split by output
  *     column), so shared memory is ~105 KB at K = V = 128: two blocks per SM.
  *
- * Also here: bwd_local2 (versions 3-5: the same scheme for step 3, which
- * then finishes dq). bwd_state2 (version 5) is in gdn_cuda_bwd_state.cu.
+ * Also here: bwd_local2 (the same scheme for step 3, which then finishes
+ * dq). The reverse state pass bwd_state3 is in gdn_cuda_bwd_state.cu.
  *
  * Forward lines differentiated (per chunk, value head; DESIGN §2):
  *   S' = e^{g_C} S + K^T diag(e^{g_C - g}) Vn   -> dK += diag(m) Vn dS'^T,
@@ -505,7 +506,7 @@ static fq_status fq_bwd_carveout(const void *fn)
     return FQ_OK;
 }
 
-/* ============================================ bwd_local, version 3 ==== */
+/* ===================================================== bwd_local2 ==== */
 
 /* 64 x 64 bf16 tiles without padding, 16-byte chunks XOR-swizzled by row:
  * element (r, s) at r * 64 + 8 ((s / 8) ^ (r % 8)) + s % 8. ldmatrix rows of
@@ -877,20 +878,16 @@ static fq_status fq_bwd_local2_launch_kv(const fq_bwd_args &a, int64_t nc, int H
     return FQ_OK;
 }
 
-fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, int split_h,
-                               cudaStream_t stream)
+/* SPLIT_H = true only (h as a second cp.async group: the measured version 6);
+ * false (h in the first group, version 3) is no longer instantiated. */
+fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
 {
     if (nc <= 0) return FQ_OK;
     const int H = (int)p->H;
-#define FQ_LOCAL2_KV(KK, VV)                                                                      \
-    if (p->K == KK && p->V == VV)                                                                 \
-        return split_h ? fq_bwd_local2_launch_kv<KK, VV, true>(a, nc, H, stream)                  \
-                       : fq_bwd_local2_launch_kv<KK, VV, false>(a, nc, H, stream);
-    FQ_LOCAL2_KV(128, 128)
-    FQ_LOCAL2_KV(128, 64)
-    FQ_LOCAL2_KV(64, 128)
-    FQ_LOCAL2_KV(64, 64)
-#undef FQ_LOCAL2_KV
+    if (p->K == 128 && p->V == 128) return fq_bwd_local2_launch_kv<128, 128, true>(a, nc, H, stream);
+    if (p->K == 128 && p->V == 64) return fq_bwd_local2_launch_kv<128, 64, true>(a, nc, H, stream);
+    if (p->K == 64 && p->V == 128) return fq_bwd_local2_launch_kv<64, 128, true>(a, nc, H, stream);
+    if (p->K == 64 && p->V == 64) return fq_bwd_local2_launch_kv<64, 64, true>(a, nc, H, stream);
     return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
                    (long long)p->K, (long long)p->V);
 }

@@ -248,44 +248,25 @@ fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
  * launches, never synchronises. */
 fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* Stage A as the backward's recompute runs it (v3 by default; see gdn_cuda_fwd_wy.cu). */
+/* Stage A as the backward's recompute runs it (v3; see gdn_cuda_fwd_wy.cu). */
 fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* The two stage A kernels (same outputs): v2 (blocked A = (I+L)^-1, one
+ * block per chunk and value head; fq_cuda_fwd_wy runs it) and v3 (persistent,
+ * double-buffered loads, recursive-doubling inverse; fq_cuda_fwd_wy_recompute
+ * runs it). Exported for dev/cuda/check_wy3.cu. */
+fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* Stage B: writes ws->h, ws->vn and, when ht != NULL, ht [N, HV, K, V] fp32.
- * bv: state columns per block; v1: 16 or 32, v2: 16, 32 or 64 (16 per warp);
- * 0 picks by occupancy (always valid). */
+ * bv: state columns per block, 16, 32 or 64 (16 per warp or warp pair);
+ * 0 picks by the number of 16-column chains vs SMs (always valid). */
 fq_status fq_cuda_fwd_state(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                             cudaStream_t stream);
-
-/* Two implementations of stages A, B and C: v1 (the step-1 kernels, verified
- * on the H200) and v2 (A: blocked A = (I+L)^-1; B: S^T held as mma
- * accumulators, one warp (or warp pair) per 16 state columns; C: 8 warps, two
- * cp.async groups). fq_cuda_fwd_wy, fq_cuda_fwd_state and fq_cuda_fwd_output
- * dispatch on fq_cuda_fwd_use_v1(): the compile-time
- * default FQ_CUDA_FWD_DEFAULT_V1 (gdn_cuda_fwd.cu), overridden by the
- * environment variable FLASHQLA_CUDA_FWD_V1=1|0 (read once), overridden by
- * fq_cuda_fwd_set_v1(0|1) (test drivers; -1 returns to default/environment).
- * Both write the same workspace regions with the same layout. */
-int fq_cuda_fwd_use_v1(void);
-void fq_cuda_fwd_set_v1(int v1);
-fq_status fq_cuda_fwd_wy_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* Stage A v3 (persistent, double-buffered loads, recursive-doubling inverse;
- * gdn_cuda_fwd_wy.cu): the default for stage A when v1 is not selected, unless
- * FLASHQLA_CUDA_WY_V2=1 (read once) or fq_cuda_fwd_wy_set_v2(1) picks v2
- * (fq_cuda_fwd_wy_set_v2(-1): back to default/environment). */
-fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-int fq_cuda_fwd_wy_use_v2(void);
-void fq_cuda_fwd_wy_set_v2(int v2);
-fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
-                               cudaStream_t stream);
-fq_status fq_cuda_fwd_state_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
-                               cudaStream_t stream);
-fq_status fq_cuda_fwd_output_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-fq_status fq_cuda_fwd_output_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* v2 with the K-split chosen too: ksplit 1 (one warp per 16 state columns)
- * or 2 (two warps, K/2 state rows each); 0 picks. */
+/* Stage B with the K-split chosen too: ksplit 1 (one warp per 16 state
+ * columns) or 2 (two warps, K/2 state rows each); 0 picks (for the
+ * configuration sweep of dev/cuda/check_fwd.cu). */
 fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                                 int ksplit, cudaStream_t stream);
+/* Stage C: o from q, k, gamma, h, Vn. */
 fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* Fills o (p->o, p->dtype) and ht (if non-NULL) with NaN when ws->flags[0] is
  * set (invalid cu_seqlens); otherwise does nothing. Other outputs (the

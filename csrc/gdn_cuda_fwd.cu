@@ -3,7 +3,9 @@
  * points of gdn.h, the workspace layout, and the small stages around the three
  * main ones (chunk table, bf16 copies and L2 norms, NaN poisoning). The main
  * stages live in gdn_cuda_fwd_wy.cu (A), gdn_cuda_fwd_state.cu (B) and
- * gdn_cuda_fwd_output.cu (C); gdn_cuda_common.cuh describes them.
+ * gdn_cuda_fwd_output.cu (C); gdn_cuda_common.cuh describes them. Earlier
+ * versions of the stages (v1) were removed once superseded: see
+ * benchmarks/NOTES.md and git history (commit 4599409).
  */
 #include "gdn_cuda_common.cuh"
 
@@ -35,32 +37,6 @@ extern "C" fq_status fq_cuda_set_smem(const void *kernel, int bytes)
         }
     }
     return FQ_OK;
-}
-
-/* ---------------------------------------------------- variant switch ---- */
-
-/* 1: stages A and B run the step-1 (v1) kernels unless FLASHQLA_CUDA_FWD_V1=0;
- * 0: the v2 kernels unless FLASHQLA_CUDA_FWD_V1=1. */
-#ifndef FQ_CUDA_FWD_DEFAULT_V1
-#define FQ_CUDA_FWD_DEFAULT_V1 0
-#endif
-
-static volatile int fq_fwd_v1_flag = -1; /* -1: not decided yet */
-
-extern "C" int fq_cuda_fwd_use_v1(void)
-{
-    int v = fq_fwd_v1_flag;
-    if (v < 0) {
-        const char *e = getenv("FLASHQLA_CUDA_FWD_V1");
-        v = (e && e[0]) ? (atoi(e) != 0) : FQ_CUDA_FWD_DEFAULT_V1;
-        fq_fwd_v1_flag = v; /* every thread computes the same value */
-    }
-    return v;
-}
-
-extern "C" void fq_cuda_fwd_set_v1(int v1)
-{
-    fq_fwd_v1_flag = v1 < 0 ? -1 : (v1 != 0);
 }
 
 /* ---------------------------------------------------- workspace layout ---- */

@@ -10,11 +10,13 @@
  * Q K^T tile goes from the accumulators straight into the A fragments of the
  * second product.
  *
- * Two instantiations: NVH = 1 (v1: 4 warps, one cp.async group) and NVH = 2
- * (v2: 8 warps, warp w computes rows 16 (w % 4).. and the V/2 columns of half
- * w / 4, recomputing its rows of P; Q, K arrive in a first cp.async group so
- * that P is computed while h and Vn are still in flight). fq_cuda_fwd_output
- * picks v1 or v2 by fq_cuda_fwd_use_v1().
+ * 8 warps (NVH = 2, the "v2" of stage C): warp w computes rows 16 (w % 4)..
+ * and the V/2 columns of half w / 4, recomputing its rows of P; Q, K arrive
+ * in a first cp.async group so that P is computed while h and Vn are still in
+ * flight. The kernel is a template over NVH (value-column halves) and still
+ * reads as one for NVH = 1 (the superseded v1: 4 warps, one cp.async group),
+ * but only NVH = 2 is instantiated; v1's launch path was removed (see
+ * benchmarks/NOTES.md and git history, commit 4599409).
  */
 #include "gdn_cuda_common.cuh"
 
@@ -210,14 +212,8 @@ static fq_status fq_launch_output_nvh(const fq_output_args &args, int64_t blocks
     return FQ_OK;
 }
 
-template <int K, int V>
-static fq_status fq_launch_output(const fq_output_args &args, int64_t blocks, int v1, cudaStream_t stream)
-{
-    if (v1) return fq_launch_output_nvh<K, V, 1>(args, blocks, stream);
-    return fq_launch_output_nvh<K, V, 2>(args, blocks, stream);
-}
-
-static fq_status fq_cuda_fwd_output_impl(const fq_gdn_params *p, const fq_fwd_ws *ws, int v1, cudaStream_t stream)
+/* Stage C. */
+extern "C" fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     int64_t blocks = ws->nc_max * p->HV;
     if (blocks <= 0) return FQ_OK;
@@ -236,26 +232,10 @@ static fq_status fq_cuda_fwd_output_impl(const fq_gdn_params *p, const fq_fwd_ws
     args.dtype = p->dtype;
     args.o_aligned = ((uintptr_t)p->o & 7) == 0;
     args.scale = (float)p->scale;
-    if (p->K == 128 && p->V == 128) return fq_launch_output<128, 128>(args, blocks, v1, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_output<128, 64>(args, blocks, v1, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_output<64, 128>(args, blocks, v1, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_output<64, 64>(args, blocks, v1, stream);
+    if (p->K == 128 && p->V == 128) return fq_launch_output_nvh<128, 128, 2>(args, blocks, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_output_nvh<128, 64, 2>(args, blocks, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_output_nvh<64, 128, 2>(args, blocks, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_output_nvh<64, 64, 2>(args, blocks, stream);
     return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
                    (long long)p->K, (long long)p->V);
-}
-
-extern "C" fq_status fq_cuda_fwd_output_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    return fq_cuda_fwd_output_impl(p, ws, 1, stream);
-}
-
-extern "C" fq_status fq_cuda_fwd_output_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    return fq_cuda_fwd_output_impl(p, ws, 0, stream);
-}
-
-/* Stage C: v1 or v2 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1). */
-extern "C" fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    return fq_cuda_fwd_output_impl(p, ws, fq_cuda_fwd_use_v1(), stream);
 }

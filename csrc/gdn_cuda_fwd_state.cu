@@ -1,21 +1,16 @@
 /*
  * gdn_cuda_fwd_state.cu — forward stage B (DESIGN §2): the sequential state
- * pass. Two implementations, v1 (fq_fwd_state_kernel, this comment) and v2
- * (fq_fwd_state2_kernel, described further down); fq_cuda_fwd_state picks by
- * fq_cuda_fwd_use_v1().
- *
- * v1: one block per (sequence n, value head j, slice of BV state columns);
- * the slice S (K x BV, fp32) lives in the mma accumulators of 4 warps (warp w
- * owns state rows w*K/4 .. w*K/4 + K/4 - 1). For each chunk c of the sequence:
+ * pass, fq_fwd_state2_kernel ("v2", described below). For each chunk c of a
+ * sequence, with S the running state (K x V, fp32):
  *
  *     h_c = S                                          (bf16, for stage C / backward)
  *     Vn  = U - W S                                    (S rounded to bf16 for the mma)
  *     S   = e^{gamma_C} S + K^T diag(kdecay) Vn        kdecay_r = e^{gamma_C - gamma_r} rk_r
  *
- * The next chunks' W, K, U, gamma, kdecay tiles are fetched with cp.async into
- * an NS-deep ring of buffers (NS = 4 with one block per SM, else 2) while
- * this chunk computes: the chain is bound by load latency otherwise. S_0 = h0
- * (zeros when NULL); the last S is the final state ht (fp32).
+ * S_0 = h0 (zeros when NULL); the last S is the final state ht (fp32). The
+ * first version (v1: S in the accumulators of 4 warps, shared-memory round
+ * trips each chunk) was removed once superseded: see benchmarks/NOTES.md and
+ * git history (commit 4599409).
  */
 #include "gdn_cuda_common.cuh"
 
@@ -30,260 +25,6 @@ struct fq_state_args {
     fq_bf16 *h, *vn;
 };
 
-template <int K, int BV, int NS> struct fq_state_smem {
-    static constexpr int LDK = K + 8, LDB = BV + 8;
-    /* one buffer: W, K, U, gamma, kdecay */
-    static constexpr int b_w = 0;
-    static constexpr int b_k = b_w + 64 * LDK * 2;
-    static constexpr int b_u = b_k + 64 * LDK * 2;
-    static constexpr int b_g = b_u + 64 * LDB * 2;
-    static constexpr int b_d = b_g + 64 * 4;
-    static constexpr int buf = b_d + 64 * 4;
-    static constexpr int off_s = NS * buf;                 /* S as bf16, [K][BV] */
-    static constexpr int off_vs = off_s + K * LDB * 2;     /* kdecay ⊙ Vn, [64][BV] */
-    static constexpr int off_vo = off_vs + 64 * LDB * 2;   /* Vn, [64][BV] */
-    static constexpr int bytes = off_vo + 64 * LDB * 2;
-};
-
-template <int K, int BV, int NS>
-__global__ void __launch_bounds__(128) fq_fwd_state_kernel(fq_state_args args, int V)
-{
-    typedef fq_state_smem<K, BV, NS> SM;
-    constexpr int LDK = SM::LDK, LDB = SM::LDB;
-    constexpr int MT = K / 64;  /* m16 tiles of state rows per warp */
-    constexpr int NT = BV / 8;  /* n8 tiles of state columns */
-    extern __shared__ __align__(16) unsigned char smem[];
-    fq_bf16 *Ss = (fq_bf16 *)(smem + SM::off_s);
-    fq_bf16 *VnS = (fq_bf16 *)(smem + SM::off_vs);
-    fq_bf16 *VnO = (fq_bf16 *)(smem + SM::off_vo);
-
-    const int HV = args.HV, nvs = V / BV;
-    const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV, n = blockIdx.x / (nvs * HV);
-    const int v0 = vs * BV, hq = j / (HV / args.H);
-    const fq_seq_info si = args.seqs[n];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int gq = lane >> 2, tq = lane & 3;
-    const int kr0 = warp * (K / 4);
-
-    /* S_0 = h0 slice */
-    float S[MT][NT][4];
-    const int64_t state_off = ((int64_t)n * HV + j) * K * V;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int kr = kr0 + 16 * mt + gq + (e >> 1) * 8, c = v0 + 8 * nt + 2 * tq + (e & 1);
-                S[mt][nt][e] = args.h0 ? args.h0[state_off + (int64_t)kr * V + c] : 0.f;
-            }
-
-    /* async load of chunk lc (local index) into buffer b */
-    auto load_chunk = [&](int lc, int b) {
-        unsigned char *buf = smem + b * SM::buf;
-        const int64_t tile = ((int64_t)(si.chunk0 + lc) * HV + j) * 64;
-        const int row0 = si.bos + lc * 64, len = min(64, si.len - lc * 64);
-        fq_bf16 *Wb = (fq_bf16 *)(buf + SM::b_w), *Kb = (fq_bf16 *)(buf + SM::b_k);
-        fq_bf16 *Ub = (fq_bf16 *)(buf + SM::b_u);
-        for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-            int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-            fq_cp_async16(Wb + r * LDK + c, args.w + (tile + r) * K + c, 16);
-            const fq_bf16 *src = args.kb;
-            int bytes = 0;
-            if (r < len) { src = args.kb + ((int64_t)(row0 + r) * args.H + hq) * K + c; bytes = 16; }
-            fq_cp_async16(Kb + r * LDK + c, src, bytes);
-        }
-        for (int idx = tid; idx < 64 * (BV / 8); idx += 128) {
-            int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
-            fq_cp_async16(Ub + r * LDB + c, args.u + (tile + r) * V + v0 + c, 16);
-        }
-        if (tid < 16) fq_cp_async16(buf + SM::b_g + tid * 16, args.gamma + tile + tid * 4, 16);
-        else if (tid < 32) fq_cp_async16(buf + SM::b_d + (tid - 16) * 16, args.kdecay + tile + (tid - 16) * 4, 16);
-    };
-
-    /* NS-deep pipeline: chunks lc+1 .. lc+NS-1 are in flight while lc computes */
-#pragma unroll
-    for (int s = 0; s < NS - 1; s++) {
-        if (s < si.nchunks) load_chunk(s, s);
-        fq_cp_async_commit();
-    }
-
-    for (int lc = 0; lc < si.nchunks; lc++) {
-        const int b = lc % NS;
-        if (lc + NS - 1 < si.nchunks) load_chunk(lc + NS - 1, (lc + NS - 1) % NS);
-        fq_cp_async_commit();
-        fq_cp_async_wait<NS - 1>();
-        /* S -> shared as bf16 (the mma operand, and h_c) */
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                int kr = kr0 + 16 * mt + gq, c = 8 * nt + 2 * tq;
-                *(uint32_t *)(Ss + kr * LDB + c) = fq_pack_bf16(S[mt][nt][0], S[mt][nt][1]);
-                *(uint32_t *)(Ss + (kr + 8) * LDB + c) = fq_pack_bf16(S[mt][nt][2], S[mt][nt][3]);
-            }
-        __syncthreads();
-        const unsigned char *buf = smem + b * SM::buf;
-        const fq_bf16 *Wb = (const fq_bf16 *)(buf + SM::b_w), *Kb = (const fq_bf16 *)(buf + SM::b_k);
-        const fq_bf16 *Ub = (const fq_bf16 *)(buf + SM::b_u);
-        const float *gam = (const float *)(buf + SM::b_g), *kdec = (const float *)(buf + SM::b_d);
-        const int64_t chunk = si.chunk0 + lc;
-        const int64_t tile = (chunk * HV + j) * 64;
-
-        /* h_c out (coalesced 16-byte stores) */
-        {
-            fq_bf16 *hg = args.h + (chunk * HV + j) * K * V + v0;
-            for (int idx = tid; idx < K * (BV / 8); idx += 128) {
-                int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
-                *(uint4 *)(hg + (int64_t)r * V + c) = *(const uint4 *)(Ss + r * LDB + c);
-            }
-        }
-        /* Vn = U - W S: warp w owns chunk rows 16w..16w+15 */
-        {
-            float acc[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < K / 16; kk++) {
-                uint32_t a[4];
-                fq_frag_a(a, Wb, LDK, 16 * warp, 16 * kk);
-#pragma unroll
-                for (int n2 = 0; n2 < NT / 2; n2++) {
-                    uint32_t bb[4];
-                    fq_frag_b_kn(bb, Ss, LDB, 16 * kk, 16 * n2);
-                    fq_mma_bf16(acc[2 * n2], a, bb[0], bb[1]);
-                    fq_mma_bf16(acc[2 * n2 + 1], a, bb[2], bb[3]);
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int hr = 0; hr < 2; hr++) {
-                    int r = 16 * warp + gq + 8 * hr, c = 8 * nt + 2 * tq;
-                    float2 uu = fq_unpack_bf16(*(const uint32_t *)(Ub + r * LDB + c));
-                    float x = uu.x - acc[nt][2 * hr], y = uu.y - acc[nt][2 * hr + 1];
-                    float d = kdec[r];
-                    *(uint32_t *)(VnO + r * LDB + c) = fq_pack_bf16(x, y);
-                    *(uint32_t *)(VnS + r * LDB + c) = fq_pack_bf16(d * x, d * y);
-                }
-        }
-        __syncthreads();
-        /* Vn out (coalesced) */
-        {
-            fq_bf16 *vg = args.vn + tile * V + v0;
-            for (int idx = tid; idx < 64 * (BV / 8); idx += 128) {
-                int r = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
-                *(uint4 *)(vg + (int64_t)r * V + c) = *(const uint4 *)(VnO + r * LDB + c);
-            }
-        }
-        /* S = e^{gamma_C} S + K^T (kdecay ⊙ Vn) */
-        {
-            const float dc = __expf(gam[63]);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) S[mt][nt][e] *= dc;
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                uint32_t bb[NT / 2][4];
-#pragma unroll
-                for (int n2 = 0; n2 < NT / 2; n2++) fq_frag_b_kn(bb[n2], VnS, LDB, 16 * kk, 16 * n2);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    uint32_t a[4];
-                    fq_frag_a_trans(a, Kb, LDK, kr0 + 16 * mt, 16 * kk);
-#pragma unroll
-                    for (int n2 = 0; n2 < NT / 2; n2++) {
-                        fq_mma_bf16(S[mt][2 * n2], a, bb[n2][0], bb[n2][1]);
-                        fq_mma_bf16(S[mt][2 * n2 + 1], a, bb[n2][2], bb[n2][3]);
-                    }
-                }
-            }
-        }
-        __syncthreads(); /* buffers b, Ss, VnS, VnO are reused next */
-    }
-    fq_cp_async_wait<0>();
-
-    if (args.ht) {
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int hr = 0; hr < 2; hr++) {
-                    int kr = kr0 + 16 * mt + gq + 8 * hr, c = v0 + 8 * nt + 2 * tq;
-                    *(float2 *)(args.ht + state_off + (int64_t)kr * V + c) =
-                        make_float2(S[mt][nt][2 * hr], S[mt][nt][2 * hr + 1]);
-                }
-    }
-}
-
-template <int K, int BV, int NS>
-static fq_status fq_launch_state_ns(const fq_state_args &args, int64_t blocks, int V, cudaStream_t stream)
-{
-    int bytes = fq_state_smem<K, BV, NS>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_state_kernel<K, BV, NS>, bytes);
-    if (st != FQ_OK) return st;
-    fq_fwd_state_kernel<K, BV, NS><<<(unsigned)blocks, 128, bytes, stream>>>(args, V);
-    FQ_CUDA_CHECK_LAUNCH();
-    return FQ_OK;
-}
-
-/* One block per SM or fewer: a 4-deep pipeline (one block fills the SM's
- * shared memory, and the chain is load-latency bound); more blocks: 2-deep,
- * two blocks per SM. */
-template <int K, int BV>
-static fq_status fq_launch_state(const fq_state_args &args, int64_t blocks, int V, int sms,
-                                 cudaStream_t stream)
-{
-    if (blocks <= sms) return fq_launch_state_ns<K, BV, 4>(args, blocks, V, stream);
-    return fq_launch_state_ns<K, BV, 2>(args, blocks, V, stream);
-}
-
-extern "C" fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
-                                          cudaStream_t stream)
-{
-    if (p->N <= 0) return FQ_OK;
-    int dev = 0, sms = 132;
-    FQ_CUDA_CHECK(cudaGetDevice(&dev));
-    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    if (bv == 0) {
-        /* 32 columns once that gives ~3/4 of the SMs a block (measured on the
-         * H200: 128 blocks of 32 beat 256 of 16; 32 blocks of 32 lose to 64
-         * of 16) */
-        bv = (p->N * p->HV * (p->V / 32) >= (3 * sms) / 4) ? 32 : 16;
-    }
-    if (bv != 16 && bv != 32)
-        return fq_fail(FQ_ERR_INTERNAL, "fq_cuda_fwd_state: bv must be 16 or 32, got %d", bv);
-    fq_state_args args;
-    args.seqs = ws->seqs;
-    args.kb = ws->kb;
-    args.h0 = (const float *)p->h0;
-    args.ht = ht;
-    args.H = (int)p->H;
-    args.HV = (int)p->HV;
-    args.gamma = ws->gamma;
-    args.kdecay = ws->kdecay;
-    args.w = ws->w;
-    args.u = ws->u;
-    args.h = ws->h;
-    args.vn = ws->vn;
-    int V = (int)p->V;
-    int64_t blocks = p->N * p->HV * (V / bv);
-    if (p->K == 128) {
-        if (bv == 32) return fq_launch_state<128, 32>(args, blocks, V, sms, stream);
-        return fq_launch_state<128, 16>(args, blocks, V, sms, stream);
-    }
-    if (p->K == 64) {
-        if (bv == 32) return fq_launch_state<64, 32>(args, blocks, V, sms, stream);
-        return fq_launch_state<64, 16>(args, blocks, V, sms, stream);
-    }
-    return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld",
-                   (long long)p->K);
-}
-
 /* ------------------------------------------------------------------ v2 ----
  *
  * v2: one block per (sequence n, value head j, BV = 16*NW state columns).
@@ -292,7 +33,7 @@ extern "C" fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_w
  * k0 = kh*K/KS ..: lane (g = lane/4, t = lane%4) holds
  * S^T[g (+8)][k0 + 8 nt + 2t (+1)]. That is the A-operand layout of
  * m16n8k16, so both products of a chunk take their A operand from registers
- * (v1 went through shared memory with three __syncthreads per chunk):
+ * (the removed v1 went through shared memory, three __syncthreads per chunk):
  *
  *     h_c^T = S^T                               bf16, stored as h[K][V] (lane pairs
  *                                               swap halves to transpose)
@@ -305,8 +46,8 @@ extern "C" fq_status fq_cuda_fwd_state_v1(const fq_gdn_params *p, const fq_fwd_w
  * KS = 2 halves each warp's chain (64 instead of 128 mma per chunk, half the
  * h stores) for the shapes with few chains, at the cost of one more
  * __syncthreads per chunk and 8 KB of shared memory per group.
- * Same roundings as v1 (S and kdecay*Vn rounded to bf16 as mma operands, fp32
- * accumulation, h and Vn stored as bf16). The block's warps share the chunk's
+ * Roundings: S and kdecay*Vn rounded to bf16 as mma operands, fp32
+ * accumulation, h and Vn stored as bf16. The block's warps share the chunk's
  * W and K tiles (each group reads its 16 columns of U) from an NS-deep
  * cp.async ring; one __syncthreads per chunk for the ring (chunk landed,
  * previous buffer free).
@@ -630,16 +371,9 @@ extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_
                    (long long)p->K);
 }
 
-extern "C" fq_status fq_cuda_fwd_state_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
-                                          cudaStream_t stream)
-{
-    return fq_cuda_fwd_state_v2x(p, ws, ht, bv, 0, stream);
-}
-
-/* Stage B: v1 or v2 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1). */
+/* Stage B (bv = 0: columns per block and K-split picked as above). */
 extern "C" fq_status fq_cuda_fwd_state(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                                        cudaStream_t stream)
 {
-    if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_state_v1(p, ws, ht, bv, stream);
-    return fq_cuda_fwd_state_v2(p, ws, ht, bv, stream);
+    return fq_cuda_fwd_state_v2x(p, ws, ht, bv, 0, stream);
 }

@@ -1,8 +1,12 @@
 /*
- * gdn_cuda_fwd_wy.cu — forward stage A (DESIGN §2), one block per (chunk,
- * value head), chunk-parallel. Two implementations: v1 (fq_fwd_wy_kernel,
- * column-per-thread 64-row forward substitution) and v2 (fq_fwd_wy2_kernel,
- * blocked inverse, below); fq_cuda_fwd_wy picks by fq_cuda_fwd_use_v1().
+ * gdn_cuda_fwd_wy.cu — forward stage A (DESIGN §2), per (chunk, value head).
+ * Two kernels with the same outputs: v2 (fq_fwd_wy2_kernel, one block per
+ * (chunk, value head), blocked inverse), run by the forward (fq_cuda_fwd_wy),
+ * and v3 (fq_fwd_wy3_kernel, persistent, double-buffered loads, recursive-
+ * doubling inverse), run by the backward's recompute
+ * (fq_cuda_fwd_wy_recompute). The first version (v1: column-per-thread
+ * 64-row forward substitution) was removed once superseded: see
+ * benchmarks/NOTES.md and git history (commit 4599409).
  *
  *     gamma_r = sum_{s <= r} g_s                                  (fp32)
  *     L       = strict_lower( diag(beta) (K K^T ⊙ Gamma) )        Gamma_rs = e^{gamma_r - gamma_s}
@@ -17,8 +21,6 @@
  */
 #include "gdn_cuda_common.cuh"
 
-#include <stdlib.h> /* getenv, atoi */
-
 struct fq_wy_args {
     const fq_chunk_info *chunks;
     const fq_bf16 *kb, *vb;
@@ -30,279 +32,25 @@ struct fq_wy_args {
     fq_bf16 *w, *u, *a;
 };
 
-#define FQ_WY_LDL 68 /* fp32 row stride of L in shared memory */
-
-template <int K, int V> struct fq_wy_smem {
-    static constexpr int LDK = K + 8, LDV = V + 8, LDA = 64 + 8;
-    static constexpr int off_k = 0;
-    static constexpr int off_v = off_k + 64 * LDK * 2;
-    static constexpr int off_a = off_v + 64 * LDV * 2;
-    static constexpr int off_l = off_a + 64 * LDA * 2;
-    static constexpr int off_vec = off_l + 64 * FQ_WY_LDL * 4;
-    static constexpr int bytes = off_vec + 4 * 64 * 4 + 16;
-};
-
-template <int K, int V>
-__global__ void __launch_bounds__(128) fq_fwd_wy_kernel(fq_wy_args args)
-{
-    typedef fq_wy_smem<K, V> SM;
-    extern __shared__ __align__(16) unsigned char smem[];
-    fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
-    fq_bf16 *Vs = (fq_bf16 *)(smem + SM::off_v);
-    fq_bf16 *As = (fq_bf16 *)(smem + SM::off_a);
-    float *Lf = (float *)(smem + SM::off_l);
-    float *gam = (float *)(smem + SM::off_vec);
-    float *bet = gam + 64, *rkv = gam + 128, *wsum = gam + 192;
-
-    const int HV = args.HV;
-    const int chunk = blockIdx.x / HV, j = blockIdx.x % HV;
-    const fq_chunk_info ci = args.chunks[chunk];
-    if (ci.seq < 0) return;
-    const int hq = j / (HV / args.H);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int gq = lane >> 2, tq = lane & 3;
-
-    /* K, V rows of the chunk -> shared (zeros past len), asynchronously so
-     * that all of the block's loads are in flight at once */
-    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-        const fq_bf16 *src = args.kb;
-        int bytes = 0;
-        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
-        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
-    }
-    for (int idx = tid; idx < 64 * (V / 8); idx += 128) {
-        int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
-        const fq_bf16 *src = args.vb;
-        int bytes = 0;
-        if (r < ci.len) { src = args.vb + ((int64_t)(ci.row0 + r) * HV + j) * V + c; bytes = 16; }
-        fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
-    }
-    fq_cp_async_commit();
-    /* gamma = cumsum(g) over the chunk (two warps, then the carry) */
-    if (tid < 64) {
-        float gv = 0.f, bv = 0.f, rv = 0.f;
-        if (tid < ci.len) {
-            int64_t gi = (int64_t)(ci.row0 + tid) * HV + j;
-            gv = fq_ld_f(args.g, args.gate_dtype, gi);
-            bv = fq_ld_f(args.beta, args.gate_dtype, gi);
-            rv = args.rk ? args.rk[(int64_t)(ci.row0 + tid) * args.H + hq] : 1.f;
-        }
-        for (int o = 1; o < 32; o <<= 1) {
-            float y = __shfl_up_sync(0xffffffffu, gv, o);
-            if (lane >= o) gv += y;
-        }
-        if (tid == 31) wsum[0] = gv;
-        gam[tid] = gv;
-        bet[tid] = bv;
-        rkv[tid] = rv;
-    }
-    fq_cp_async_wait<0>();
-    __syncthreads();
-    if (tid >= 32 && tid < 64) gam[tid] += wsum[0];
-    __syncthreads();
-
-    /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)): warp w owns rows 16w..16w+15 */
-    {
-        float acc[8][4];
-#pragma unroll
-        for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < K / 16; kk++) {
-            uint32_t a[4];
-            fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
-#pragma unroll
-            for (int n2 = 0; n2 < 4; n2++) {
-                uint32_t b[4];
-                fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
-                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
-                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = 16 * warp + gq + (e >> 1) * 8, c = 8 * n + 2 * tq + (e & 1);
-                float x = 0.f;
-                if (c < r) x = bet[r] * rkv[r] * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][e];
-                Lf[r * FQ_WY_LDL + c] = x;
-            }
-        }
-    }
-    __syncthreads();
-
-    if (tid < 64) {
-        /* A = (I + L)^-1 by forward substitution, one column per thread:
-         * A[i][c] = delta_ic - sum_{j<i} L[i][j] A[j][c]  (L[i][j>=i] = 0) */
-        const int c = tid;
-        float col[64];
-#pragma unroll
-        for (int i = 0; i < 64; i++) col[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 64; i++) {
-            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll
-            for (int jb = 0; jb < i; jb += 4) {
-                float4 l4 = *(const float4 *)(Lf + i * FQ_WY_LDL + jb);
-                s0 -= l4.x * col[jb];
-                s1 -= l4.y * col[jb + 1];
-                s2 -= l4.z * col[jb + 2];
-                s3 -= l4.w * col[jb + 3];
-            }
-            col[i] = (s0 + s1) + (s2 + s3);
-        }
-#pragma unroll
-        for (int i = 0; i < 64; i++) As[i * SM::LDA + c] = __float2bfloat16_rn(col[i]);
-        if (args.a) {
-            fq_bf16 *ag = args.a + (int64_t)blockIdx.x * 64 * 64;
-#pragma unroll
-            for (int i = 0; i < 64; i++) ag[i * 64 + c] = __float2bfloat16_rn(col[i]);
-        }
-    } else {
-        /* meanwhile: K <- diag(beta e^gamma rk) K, V <- diag(beta) V, in place */
-        for (int idx = tid - 64; idx < 64 * (K / 8); idx += 64) {
-            int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-            float f = bet[r] * __expf(gam[r]) * rkv[r];
-            uint4 *pk = (uint4 *)(Ks + r * SM::LDK + c);
-            uint4 x = *pk;
-            uint32_t *xs = (uint32_t *)&x;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float2 f2 = fq_unpack_bf16(xs[q]);
-                xs[q] = fq_pack_bf16(f2.x * f, f2.y * f);
-            }
-            *pk = x;
-        }
-        for (int idx = tid - 64; idx < 64 * (V / 8); idx += 64) {
-            int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
-            float f = bet[r];
-            uint4 *pv = (uint4 *)(Vs + r * SM::LDV + c);
-            uint4 x = *pv;
-            uint32_t *xs = (uint32_t *)&x;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float2 f2 = fq_unpack_bf16(xs[q]);
-                xs[q] = fq_pack_bf16(f2.x * f, f2.y * f);
-            }
-            *pv = x;
-        }
-    }
-    __syncthreads();
-
-    const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
-    /* W = A (diag(beta e^gamma) K), U = A (diag(beta) V): warp w owns rows 16w.. */
-    uint32_t af[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) fq_frag_a(af[kk], As, SM::LDA, 16 * warp, 16 * kk);
-    {
-        float acc[K / 8][4];
-#pragma unroll
-        for (int n = 0; n < K / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-#pragma unroll
-            for (int n2 = 0; n2 < K / 16; n2++) {
-                uint32_t b[4];
-                fq_frag_b_kn(b, Ks, SM::LDK, 16 * kk, 16 * n2);
-                fq_mma_bf16(acc[2 * n2], af[kk], b[0], b[1]);
-                fq_mma_bf16(acc[2 * n2 + 1], af[kk], b[2], b[3]);
-            }
-        }
-        fq_bf16 *wg = args.w + tile * K;
-#pragma unroll
-        for (int n = 0; n < K / 8; n++) {
-            int r = 16 * warp + gq, c = 8 * n + 2 * tq;
-            *(uint32_t *)(wg + r * K + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
-            *(uint32_t *)(wg + (r + 8) * K + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
-        }
-    }
-    {
-        float acc[V / 8][4];
-#pragma unroll
-        for (int n = 0; n < V / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-#pragma unroll
-            for (int n2 = 0; n2 < V / 16; n2++) {
-                uint32_t b[4];
-                fq_frag_b_kn(b, Vs, SM::LDV, 16 * kk, 16 * n2);
-                fq_mma_bf16(acc[2 * n2], af[kk], b[0], b[1]);
-                fq_mma_bf16(acc[2 * n2 + 1], af[kk], b[2], b[3]);
-            }
-        }
-        fq_bf16 *ug = args.u + tile * V;
-#pragma unroll
-        for (int n = 0; n < V / 8; n++) {
-            int r = 16 * warp + gq, c = 8 * n + 2 * tq;
-            *(uint32_t *)(ug + r * V + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
-            *(uint32_t *)(ug + (r + 8) * V + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
-        }
-    }
-    if (tid < 64) {
-        args.gamma[tile + tid] = gam[tid];
-        args.kdecay[tile + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
-    }
-}
-
-template <int K, int V>
-static fq_status fq_launch_wy(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
-{
-    int bytes = fq_wy_smem<K, V>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_kernel<K, V>, bytes);
-    if (st != FQ_OK) return st;
-    fq_fwd_wy_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args);
-    FQ_CUDA_CHECK_LAUNCH();
-    return FQ_OK;
-}
-
-extern "C" fq_status fq_cuda_fwd_wy_v1(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    int64_t blocks = ws->nc_max * p->HV;
-    if (blocks <= 0) return FQ_OK;
-    fq_wy_args args;
-    args.chunks = ws->chunks;
-    args.kb = ws->kb;
-    args.vb = ws->vb;
-    args.g = p->g;
-    args.beta = p->beta;
-    args.gate_dtype = p->gate_dtype;
-    args.rk = ws->rk;
-    args.H = (int)p->H;
-    args.HV = (int)p->HV;
-    args.gamma = ws->gamma;
-    args.kdecay = ws->kdecay;
-    args.w = ws->w;
-    args.u = ws->u;
-    args.a = ws->a;
-    if (p->K == 128 && p->V == 128) return fq_launch_wy<128, 128>(args, blocks, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy<128, 64>(args, blocks, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy<64, 128>(args, blocks, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy<64, 64>(args, blocks, stream);
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
-                   (long long)p->K, (long long)p->V);
-}
-
 /* ------------------------------------------------------------------ v2 ----
  *
- * Same outputs as v1, restructured so that no thread runs a long serial
- * chain (v1: one thread per column walks all 64 rows, ~3000 straight-line
- * instructions, ~18 us per block):
+ * Same outputs as the removed v1, restructured so that no thread runs a long
+ * serial chain (v1: one thread per column walked all 64 rows, ~3000
+ * straight-line instructions, ~18 us per block):
  *
- *   L      as v1 (K K^T by mma; only the 16x16 blocks on or below the diagonal)
+ *   L      K K^T by mma; only the 16x16 blocks on or below the diagonal
  *   D_i    = (I + L_ii)^-1 for the four 16x16 diagonal blocks, one warp each
- *            (16-row forward substitution in fp32, the v1 recurrence)
+ *            (16-row forward substitution in fp32)
  *   A_ij   = -D_i sum_{k=j}^{i-1} L_ik A_kj       (i > j; A_jj = D_j)
  *            column block j by warp j (j = 0..2) in fp32 FFMA (16x16x16
  *            products from shared memory); a column block depends only on
  *            the D_i and on itself, so only __syncwarp inside
  *   W      = (A diag(beta e^gamma rk)) K,  U = (A diag(beta)) V
  *            the column factors are applied to A in fp32 before its bf16
- *            rounding as the mma operand (v1 scaled K and V in bf16 instead);
- *            warp w owns output columns w*K/4.. (balanced), k-steps above
- *            the diagonal of A skipped
+ *            rounding as the mma operand; warp w owns output columns
+ *            w*K/4.. (balanced), k-steps above the diagonal of A skipped
  *
- * A stays fp32 until it is an mma operand (or ws->a), as in v1.
+ * A stays fp32 until it is an mma operand (or ws->a).
  */
 #define FQ_WY2_LDF 72 /* fp32 row stride of L and A: conflict-free float2 fragment reads */
 
@@ -909,51 +657,18 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
                    (long long)p->K, (long long)p->V);
 }
 
-/* ------------------------------------------------------ variant switch ----
- * 1: stage A runs v3 unless FLASHQLA_CUDA_WY_V2=1 (then v2); 0: v2 unless
- * FLASHQLA_CUDA_WY_V2=0. FLASHQLA_CUDA_FWD_V1=1 (fq_cuda_fwd_use_v1) still
- * selects v1 first. */
-#ifndef FQ_CUDA_WY_DEFAULT_V3
-#define FQ_CUDA_WY_DEFAULT_V3 0
-#endif
-
-static volatile int fq_wy_v2_flag = -1; /* -1: not decided yet */
-
-extern "C" int fq_cuda_fwd_wy_use_v2(void)
-{
-    int v = fq_wy_v2_flag;
-    if (v < 0) {
-        const char *e = getenv("FLASHQLA_CUDA_WY_V2");
-        v = (e && e[0]) ? (atoi(e) != 0) : !FQ_CUDA_WY_DEFAULT_V3;
-        fq_wy_v2_flag = v; /* every thread computes the same value */
-    }
-    return v;
-}
-
-extern "C" void fq_cuda_fwd_wy_set_v2(int v2)
-{
-    fq_wy_v2_flag = v2 < 0 ? -1 : (v2 != 0);
-}
-
-/* Stage A: v1 by fq_cuda_fwd_use_v1() (FLASHQLA_CUDA_FWD_V1), else v2 or v3
- * by fq_cuda_fwd_wy_use_v2() (FLASHQLA_CUDA_WY_V2). The forward runs v2 by
- * default: on the H200 the persistent v3 made the whole forward 4-8% slower
- * (benchmarks/NOTES.md, "Stage A v3"). */
+/* ------------------------------------------------------- dispatchers ----
+ * The forward always runs v2: on the H200 the persistent v3 made the whole
+ * forward 4-8% slower (benchmarks/NOTES.md, "Stage A v3"). */
 extern "C" fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
-    if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_wy_v1(p, ws, stream);
-    if (fq_cuda_fwd_wy_use_v2()) return fq_cuda_fwd_wy_v2(p, ws, stream);
-    return fq_cuda_fwd_wy_v3(p, ws, stream);
+    return fq_cuda_fwd_wy_v2(p, ws, stream);
 }
 
-/* Stage A for the backward's recompute: v3 unless FLASHQLA_CUDA_WY_V2=1 (or
- * FLASHQLA_CUDA_FWD_V1=1). This is the configuration the backward rows of
- * benchmarks/results were measured with; v2 there is not measured. */
+/* The backward's recompute always runs v3: the backward rows of
+ * benchmarks/results were measured with it; v2 there is not measured. */
 extern "C" fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws,
                                               cudaStream_t stream)
 {
-    if (fq_cuda_fwd_use_v1()) return fq_cuda_fwd_wy_v1(p, ws, stream);
-    const char *e = getenv("FLASHQLA_CUDA_WY_V2");
-    if (e && e[0] && atoi(e) != 0) return fq_cuda_fwd_wy_v2(p, ws, stream);
     return fq_cuda_fwd_wy_v3(p, ws, stream);
 }

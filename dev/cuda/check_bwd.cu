@@ -7,14 +7,17 @@
  *   gcc -std=c11 -O2 -c csrc/gdn_common.c -o /tmp/gdn_common.o
  *   nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Xcompiler -fopenmp \
  *        -gencode arch=compute_90a,code=sm_90a -Icsrc dev/cuda/check_bwd.cu \
- *        csrc/gdn_cuda_bwd.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu \
- *        csrc/gdn_cuda_fwd_state.cu csrc/gdn_cuda_fwd_output.cu /tmp/gdn_common.o \
+ *        csrc/gdn_cuda_bwd*.cu csrc/gdn_cuda_fwd*.cu /tmp/gdn_common.o \
  *        -o /tmp/check_bwd -lgomp
  *   /tmp/check_bwd          (all checks, then timing)
  *   /tmp/check_bwd time     (timing only)
  *   /tmp/check_bwd small    (four small cases, for compute-sanitizer)
- *   /tmp/check_bwd versions=1,3   (only these backward versions; default all)
  * or simply: bash dev/cuda/run_check_bwd.sh
+ *
+ * It checks the one backward the library has (version 6 of
+ * benchmarks/NOTES.md; versions 1-5 were removed, see git history, commit
+ * 4599409). FLASHQLA_CUDA_BWD_STATE=BV:KS in the environment forces a
+ * configuration of the reverse state pass (gdn_cuda_bwd_state.cu).
  *
  * Inputs follow DESIGN §3 (q, k L2-normalised unless the operator does it,
  * beta = sigmoid(randn), g = -A_h softplus(0.5 randn + 1), A_h from 0 to 16);
@@ -37,17 +40,6 @@
 #include "gdn.h"
 
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev);
-extern "C" void fq_cuda_bwd_set_version(int v); /* 1..6: see gdn_cuda_bwd.cu */
-
-/* v1: first verified backward; v2: fused bwd_wy; v3 (default): fused
- * bwd_local + bwd_wy, no qk_reduce; v4: v3 + 3-deep ring in bwd_state;
- * v5: v3 + bwd_state2 (dS in registers); v6: v5 + bwd_state3 (dS^T as the
- * mma A operand, K-split / columns per block picked by the chain count) */
-#define NVER 6
-static const char *ver_name[NVER + 1] = {"", "v1", "v2", "v3", "v4", "v5", "v6"};
-/* the versions this run checks ("versions=1,2,3" on the command line; all by
- * default); the first one is the reference of the timing cross-check */
-static std::vector<int> vers;
 
 #define CK(x)                                                                                   \
     do {                                                                                        \
@@ -409,14 +401,13 @@ static void release(Dev &d)
 static int nfail = 0;
 
 /* summary tables, printed at the end */
-struct CaseResult { std::string name; int ok[NVER + 1]; double worst[NVER + 1]; };
+struct CaseResult { std::string name; int ok; double worst; };
 static std::vector<CaseResult> results;
 struct TimeResult {
     char label[64];
     double fla;
-    float total[NVER + 1], eager[NVER + 1], stage[NVER + 1][5];
-    int same[NVER + 1];
-    double diff[NVER + 1][4]; /* rel. difference to vers[0]: dq, dk, dv, dg */
+    float total, eager, stage[5];
+    int same;
 };
 static std::vector<TimeResult> timings;
 
@@ -439,27 +430,26 @@ static void run_case(const Case &c)
     CaseResult res;
     res.name = c.name;
     if (c.dt != FQ_F64) reference(c, h, scale);
-    for (int ver : vers) {
-        fq_cuda_bwd_set_version(ver);
-        res.ok[ver] = 0;
-        res.worst[ver] = 0;
+    res.ok = 0;
+    res.worst = 0;
+    do {
         fq_gdn_params p;
         Dev d;
         setup(c, h, p, d, scale);
         fq_status st = fq_cuda_chunk_bwd(&p);
         if (c.dt == FQ_F64) {
-            printf("[%s] %-34s F64 -> status %d (%s) %s\n", ver_name[ver], c.name, (int)st, fq_last_error(),
+            printf("%-34s F64 -> status %d (%s) %s\n", c.name, (int)st, fq_last_error(),
                    st == FQ_ERR_TYPE ? "ok" : "FAIL");
-            res.ok[ver] = st == FQ_ERR_TYPE;
+            res.ok = st == FQ_ERR_TYPE;
             if (st != FQ_ERR_TYPE) nfail++;
             release(d);
-            continue;
+            break;
         }
         if (st != FQ_OK) {
-            printf("[%s] %-34s FAIL status %d: %s\n", ver_name[ver], c.name, (int)st, fq_last_error());
+            printf("%-34s FAIL status %d: %s\n", c.name, (int)st, fq_last_error());
             nfail++;
             release(d);
-            continue;
+            break;
         }
         CK(cudaDeviceSynchronize());
         CK(cudaGetLastError());
@@ -473,22 +463,22 @@ static void run_case(const Case &c)
             {"dh0", c.use_h0 ? download(d.dh0, (size_t)h.N * c.HV * c.K * c.V, FQ_F32) : std::vector<double>(), &h.dh0, 1e-2},
         };
         int ok = 1;
-        printf("[%s] %-34s", ver_name[ver], c.name);
+        printf("%-34s", c.name);
         for (int i = 0; i < 6; i++) {
             if (i == 5 && !c.use_h0) continue;
             int nonfin = 0;
             double e = relerr(outs[i].got, *outs[i].ref, &nonfin);
             int pass = nonfin == 0 && e <= outs[i].tol;
             ok &= pass;
-            res.worst[ver] = std::max(res.worst[ver], nonfin ? INFINITY : e);
+            res.worst = std::max(res.worst, nonfin ? INFINITY : e);
             printf(" %s=%.2e%s", outs[i].n, e, nonfin ? "(NaN!)" : (pass ? "" : "(!)"));
         }
         printf("  %s\n", ok ? "ok" : "FAIL");
         fflush(stdout);
-        res.ok[ver] = ok;
+        res.ok = ok;
         if (!ok) nfail++;
         release(d);
-    }
+    } while (0);
     results.push_back(res);
 }
 
@@ -500,8 +490,7 @@ static void run_invalid(void)
     make_inputs(c, h);
     CaseResult res;
     res.name = c.name;
-    for (int ver : vers) {
-        fq_cuda_bwd_set_version(ver);
+    {
         fq_gdn_params p;
         Dev d;
         setup(c, h, p, d, 0.125);
@@ -516,10 +505,10 @@ static void run_invalid(void)
         for (double x : dq) allnan &= std::isnan(x);
         for (double x : dg) allnan &= std::isnan(x);
         const int ok = st == FQ_OK && allnan;
-        printf("[%s] %-34s status %d, outputs NaN: %s  %s\n", ver_name[ver], c.name, (int)st, allnan ? "yes" : "no",
+        printf("%-34s status %d, outputs NaN: %s  %s\n", c.name, (int)st, allnan ? "yes" : "no",
                ok ? "ok" : "FAIL");
-        res.ok[ver] = ok;
-        res.worst[ver] = 0;
+        res.ok = ok;
+        res.worst = 0;
         if (!ok) nfail++;
         release(d);
     }
@@ -533,30 +522,6 @@ static std::vector<uint16_t> raw16(const void *p, size_t n)
     CK(cudaMemcpy(x.data(), p, n * 2, cudaMemcpyDeviceToHost));
     return x;
 }
-static double reldiff16(const std::vector<uint16_t> &a, const std::vector<uint16_t> &r)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); i++) {
-        uint32_t ua = (uint32_t)a[i] << 16, ur = (uint32_t)r[i] << 16;
-        float fa, fr;
-        memcpy(&fa, &ua, 4); memcpy(&fr, &ur, 4);
-        if (!std::isfinite(fa)) return INFINITY;
-        num += ((double)fa - fr) * ((double)fa - fr);
-        den += (double)fr * fr;
-    }
-    return sqrt(num / (den > 0 ? den : 1));
-}
-static double reldiff32(const std::vector<float> &a, const std::vector<float> &r)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); i++) {
-        if (!std::isfinite(a[i])) return INFINITY;
-        num += ((double)a[i] - r[i]) * ((double)a[i] - r[i]);
-        den += (double)r[i] * r[i];
-    }
-    return sqrt(num / (den > 0 ? den : 1));
-}
-
 static void time_case(int B, int T, int H, int HV, double fla_ms)
 {
     Case c = {"timing", B, T, H, HV, 128, 128, {}, 0, 1, 1, FQ_BF16, 16};
@@ -576,12 +541,9 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
     memset(&tr, 0, sizeof tr);
     snprintf(tr.label, sizeof tr.label, "%d/%d %dx%d", H, HV, B, T);
     tr.fla = fla_ms;
-    const size_t nqk = (size_t)B * T * H * 128, nv = (size_t)B * T * HV * 128, ng = (size_t)B * T * HV;
-    std::vector<uint16_t> ref_dq, ref_dk, ref_dv;
-    std::vector<float> ref_dg;
+    const size_t nqk = (size_t)B * T * H * 128;
     auto med = [](std::vector<float> x) { std::sort(x.begin(), x.end()); return x[x.size() / 2]; };
-    for (int ver : vers) {
-        fq_cuda_bwd_set_version(ver);
+    {
         for (int i = 0; i < 3; i++)
             if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("timing: %s\n", fq_last_error()); nfail++; return; }
         CK(cudaStreamSynchronize(s));
@@ -603,17 +565,8 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
                 float ms; CK(cudaEventElapsedTime(&ms, e0, ev[i])); stage[i].push_back(ms - prev); prev = ms;
             }
         }
-        /* outputs of this version (eager) */
-        std::vector<uint16_t> o_dq = raw16(d.dq, nqk), o_dk = raw16(d.dk, nqk), o_dv = raw16(d.dv, nv);
-        std::vector<float> o_dg(ng);
-        CK(cudaMemcpy(o_dg.data(), d.dg, ng * 4, cudaMemcpyDeviceToHost));
-        if (ver == vers[0]) {
-            ref_dq = o_dq; ref_dk = o_dk; ref_dv = o_dv; ref_dg = o_dg;
-        }
-        tr.diff[ver][0] = reldiff16(o_dq, ref_dq);
-        tr.diff[ver][1] = reldiff16(o_dk, ref_dk);
-        tr.diff[ver][2] = reldiff16(o_dv, ref_dv);
-        tr.diff[ver][3] = reldiff32(o_dg, ref_dg);
+        /* outputs (eager) */
+        std::vector<uint16_t> o_dq = raw16(d.dq, nqk), o_dk = raw16(d.dk, nqk);
         /* CUDA graph: capture one backward, replay; result must equal the eager one */
         cudaGraph_t gr; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -635,16 +588,14 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
             float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
             if (it >= 3) graph.push_back(ms);
         }
-        tr.total[ver] = med(graph);
-        tr.eager[ver] = med(eager);
-        tr.same[ver] = same;
-        for (int i = 0; i < 5; i++) tr.stage[ver][i] = med(stage[i]);
-        printf("[%s] bwd H=%d HV=%d %dx%d K=V=128: graph %.3f ms  eager %.3f ms  (graph == eager: %s)  ws %.2f GB"
-               "  diff vs %s: dq %.1e dk %.1e dv %.1e dg %.1e\n",
-               ver_name[ver], H, HV, B, T, tr.total[ver], tr.eager[ver], same ? "yes" : "NO", d.wsb / 1e9, ver_name[vers[0]],
-               tr.diff[ver][0], tr.diff[ver][1], tr.diff[ver][2], tr.diff[ver][3]);
-        printf("     stages: recompute(prep+wy+state) %.3f  local %.3f  state_bwd %.3f  wy_bwd %.3f  qk_reduce %.3f ms\n",
-               tr.stage[ver][0], tr.stage[ver][1], tr.stage[ver][2], tr.stage[ver][3], tr.stage[ver][4]);
+        tr.total = med(graph);
+        tr.eager = med(eager);
+        tr.same = same;
+        for (int i = 0; i < 5; i++) tr.stage[i] = med(stage[i]);
+        printf("bwd H=%d HV=%d %dx%d K=V=128: graph %.3f ms  eager %.3f ms  (graph == eager: %s)  ws %.2f GB\n",
+               H, HV, B, T, tr.total, tr.eager, same ? "yes" : "NO", d.wsb / 1e9);
+        printf("     stages: recompute(prep+wy+state) %.3f  local %.3f  state_bwd %.3f  wy_bwd %.3f ms\n",
+               tr.stage[0], tr.stage[1], tr.stage[2], tr.stage[3]);
         fflush(stdout);
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(gr));
     }
@@ -657,27 +608,14 @@ static void print_summary(void)
 {
     printf("\n================================ summary ================================\n");
     printf("correctness (worst rel. error over dq, dk, dv, dg, dbeta, dh0; limits 1e-2 / dg 2e-2)\n");
-    printf("%-36s", "case");
-    for (int v : vers) printf(" %-16s", ver_name[v]);
-    printf("\n");
-    for (auto &r : results) {
-        printf("%-36s", r.name.c_str());
-        for (int v : vers) {
-            char b[32];
-            snprintf(b, sizeof b, "%s %.1e", r.ok[v] ? "ok" : "FAIL", r.worst[v]);
-            printf(" %-16s", b);
-        }
-        printf("\n");
-    }
+    for (auto &r : results) printf("%-36s %s %.1e\n", r.name.c_str(), r.ok ? "ok" : "FAIL", r.worst);
     printf("\ntimes (ms, CUDA-graph replay, median; stages from events: rec = recompute, loc = bwd_local,\n"
-           "st = bwd_state, wy = bwd_wy, red = qk_reduce); FLA from ANCHORS.md\n");
-    printf("%-16s %6s | %-5s %7s %6s %6s %6s %6s %6s %8s %s\n", "shape", "FLA", "ver", "total", "rec", "loc", "st",
-           "wy", "red", "FLA/ours", "graph==eager");
+           "st = bwd_state, wy = bwd_wy); FLA from ANCHORS.md\n");
+    printf("%-16s %6s | %7s %6s %6s %6s %6s %8s %s\n", "shape", "FLA", "total", "rec", "loc", "st", "wy", "FLA/ours",
+           "graph==eager");
     for (auto &t : timings)
-        for (int v : vers)
-            printf("%-16s %6.3f | %-5s %7.3f %6.3f %6.3f %6.3f %6.3f %6.3f %8.2f %s\n", v == vers[0] ? t.label : "",
-                   t.fla, ver_name[v], t.total[v], t.stage[v][0], t.stage[v][1], t.stage[v][2], t.stage[v][3],
-                   t.stage[v][4], t.fla / t.total[v], t.same[v] ? "yes" : "NO");
+        printf("%-16s %6.3f | %7.3f %6.3f %6.3f %6.3f %6.3f %8.2f %s\n", t.label, t.fla, t.total, t.stage[0],
+               t.stage[1], t.stage[2], t.stage[3], t.fla / t.total, t.same ? "yes" : "NO");
 }
 
 int main(int argc, char **argv)
@@ -686,12 +624,7 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "time")) only_time = 1;
         else if (!strcmp(argv[i], "small")) small = 1;
-        else if (!strncmp(argv[i], "versions=", 9)) {
-            for (const char *c = argv[i] + 9; *c; c++)
-                if (*c >= '1' && *c <= '0' + NVER) vers.push_back(*c - '0');
-        }
     }
-    if (vers.empty()) for (int v = 1; v <= NVER; v++) vers.push_back(v);
     if (!only_time) {
         std::vector<Case> cases = {
             {"T=200 B=2 GVA2 h0 dht", 2, 200, 2, 4, 128, 128, {}, 0, 1, 1, FQ_BF16, 16},

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Build and run dev/cuda/check_fwd.cu on a GPU machine (from the repo root):
-# full check of both versions of stages A, B, C (v1, v2) + timings of both,
+# full check of the forward (every stage B configuration) + timings,
 # then in parallel the compute_80 PTX fallback (forced JIT) and
 # compute-sanitizer memcheck (mode tiny: every kernel variant on small
 # problems) and racecheck (mode race: fewer, shorter). The summary table of
@@ -27,7 +27,7 @@ done
 [ $fail = 0 ] || { cat $B/*.log | grep -B2 -A5 error | head -60; exit 1; }
 $NV -o $B/check_fwd $B/check_fwd.o $B/gdn_cuda_fwd.o $B/gdn_cuda_fwd_wy.o $B/gdn_cuda_fwd_state.o \
     $B/gdn_cuda_fwd_output.o $B/gdn_cuda_recurrent.o $B/gdn_common.o || exit 1
-echo "=== full check + timings (v1 and v2)"
+echo "=== full check + timings"
 timeout 240 $B/check_fwd > $OUTDIR/check_fwd.log 2>&1; rc=$?
 grep -vE " ok$" $OUTDIR/check_fwd.log | sed '/==== summary/,$d'
 echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd.log) checks ok, $(grep -c 'FAIL' $OUTDIR/check_fwd.log) FAIL lines; full log: check_fwd.log)"
