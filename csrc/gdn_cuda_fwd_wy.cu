@@ -330,21 +330,9 @@ __global__ void __launch_bounds__(128, 3) fq_fwd_wy2_kernel(fq_wy_args args)
     }
 }
 
-template <int K, int V>
-static fq_status fq_launch_wy2(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+/* The kernels' arguments, the same for v2 and v3. */
+static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
 {
-    int bytes = fq_wy2_smem<K, V>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy2_kernel<K, V>, bytes);
-    if (st != FQ_OK) return st;
-    fq_fwd_wy2_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args);
-    FQ_CUDA_CHECK_LAUNCH();
-    return FQ_OK;
-}
-
-extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    int64_t blocks = ws->nc_max * p->HV;
-    if (blocks <= 0) return FQ_OK;
     fq_wy_args args;
     args.chunks = ws->chunks;
     args.kb = ws->kb;
@@ -360,6 +348,25 @@ extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *
     args.w = ws->w;
     args.u = ws->u;
     args.a = ws->a;
+    return args;
+}
+
+template <int K, int V>
+static fq_status fq_launch_wy2(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+{
+    int bytes = fq_wy2_smem<K, V>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy2_kernel<K, V>, bytes);
+    if (st != FQ_OK) return st;
+    fq_fwd_wy2_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
+}
+
+extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    int64_t blocks = ws->nc_max * p->HV;
+    if (blocks <= 0) return FQ_OK;
+    const fq_wy_args args = fq_wy_args_of(p, ws);
     if (p->K == 128 && p->V == 128) return fq_launch_wy2<128, 128>(args, blocks, stream);
     if (p->K == 128 && p->V == 64) return fq_launch_wy2<128, 64>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy2<64, 128>(args, blocks, stream);
@@ -634,21 +641,7 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
 {
     int64_t items = ws->nc_max * p->HV;
     if (items <= 0) return FQ_OK;
-    fq_wy_args args;
-    args.chunks = ws->chunks;
-    args.kb = ws->kb;
-    args.vb = ws->vb;
-    args.g = p->g;
-    args.beta = p->beta;
-    args.gate_dtype = p->gate_dtype;
-    args.rk = ws->rk;
-    args.H = (int)p->H;
-    args.HV = (int)p->HV;
-    args.gamma = ws->gamma;
-    args.kdecay = ws->kdecay;
-    args.w = ws->w;
-    args.u = ws->u;
-    args.a = ws->a;
+    const fq_wy_args args = fq_wy_args_of(p, ws);
     if (p->K == 128 && p->V == 128) return fq_launch_wy3<128, 128>(args, items, stream);
     if (p->K == 128 && p->V == 64) return fq_launch_wy3<128, 64>(args, items, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy3<64, 128>(args, items, stream);
