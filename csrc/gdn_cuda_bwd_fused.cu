@@ -888,8 +888,7 @@ fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int
     if (p->K == 128 && p->V == 64) return fq_bwd_local2_launch_kv<128, 64, true>(a, nc, H, stream);
     if (p->K == 64 && p->V == 128) return fq_bwd_local2_launch_kv<64, 128, true>(a, nc, H, stream);
     if (p->K == 64 && p->V == 64) return fq_bwd_local2_launch_kv<64, 64, true>(a, nc, H, stream);
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
-                   (long long)p->K, (long long)p->V);
+    return fq_cuda_head_dims_unsupported(p);
 }
 
 template <int K, int V>
@@ -913,6 +912,5 @@ fq_status fq_bwd_wy2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_
     if (p->K == 128 && p->V == 64) return fq_bwd_wy2_launch_kv<128, 64>(a, nc, H, stream);
     if (p->K == 64 && p->V == 128) return fq_bwd_wy2_launch_kv<64, 128>(a, nc, H, stream);
     if (p->K == 64 && p->V == 64) return fq_bwd_wy2_launch_kv<64, 64>(a, nc, H, stream);
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
-                   (long long)p->K, (long long)p->V);
+    return fq_cuda_head_dims_unsupported(p);
 }

@@ -50,6 +50,15 @@
 /* After every kernel launch. */
 #define FQ_CUDA_CHECK_LAUNCH() FQ_CUDA_CHECK(cudaGetLastError())
 
+/* The stage launchers' fallthrough after their K, V template dispatch. The
+ * entry points refuse other head dims first (fq_cuda_fwd_check_sizes), so
+ * this is only reached by a caller that skipped that check. */
+static inline fq_status fq_cuda_head_dims_unsupported(const fq_gdn_params *p)
+{
+    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
+                   (long long)p->K, (long long)p->V);
+}
+
 #define FQ_CHUNK 64 /* chunk size C */
 
 typedef __nv_bfloat16 fq_bf16;

@@ -236,6 +236,5 @@ extern "C" fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws 
     if (p->K == 128 && p->V == 64) return fq_launch_output_nvh<128, 64, 2>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_output_nvh<64, 128, 2>(args, blocks, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_output_nvh<64, 64, 2>(args, blocks, stream);
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
-                   (long long)p->K, (long long)p->V);
+    return fq_cuda_head_dims_unsupported(p);
 }

@@ -371,8 +371,7 @@ extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *
     if (p->K == 128 && p->V == 64) return fq_launch_wy2<128, 64>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy2<64, 128>(args, blocks, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy2<64, 64>(args, blocks, stream);
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
-                   (long long)p->K, (long long)p->V);
+    return fq_cuda_head_dims_unsupported(p);
 }
 
 /* ------------------------------------------------------------------ v3 ----
@@ -646,8 +645,7 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
     if (p->K == 128 && p->V == 64) return fq_launch_wy3<128, 64>(args, items, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy3<64, 128>(args, items, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy3<64, 64>(args, items, stream);
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
-                   (long long)p->K, (long long)p->V);
+    return fq_cuda_head_dims_unsupported(p);
 }
 
 /* ------------------------------------------------------- dispatchers ----

@@ -38,26 +38,12 @@
 #include <algorithm>
 
 #include "gdn.h"
+#include "check_common.h"
 
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev);
 
-#define CK(x)                                                                                   \
-    do {                                                                                        \
-        cudaError_t e_ = (x);                                                                   \
-        if (e_ != cudaSuccess) {                                                                \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));         \
-            exit(2);                                                                            \
-        }                                                                                       \
-    } while (0)
 
 /* ------------------------------------------------------------ random ---- */
-static uint64_t rng_s = 0x9e3779b97f4a7c15ull;
-static double urand(void)
-{
-    rng_s ^= rng_s << 13; rng_s ^= rng_s >> 7; rng_s ^= rng_s << 17;
-    return ((rng_s >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
-static double nrand(void) { return sqrt(-2 * log(urand())) * cos(6.283185307179586 * urand()); }
 
 /* ------------------------------------------------------ dtype on host ---- */
 static size_t dsz(fq_dtype d) { return d == FQ_F32 ? 4 : d == FQ_F64 ? 8 : 2; }

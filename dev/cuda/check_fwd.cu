@@ -40,30 +40,16 @@
 
 #include "gdn.h"
 #include "gdn_cuda_common.cuh"
-
-#define CK(call)                                                                         \
-    do {                                                                                 \
-        cudaError_t e_ = (call);                                                         \
-        if (e_ != cudaSuccess) {                                                         \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(2);                                                                     \
-        }                                                                                \
-    } while (0)
+#include "check_common.h"
 
 static int g_fail = 0;
 
 /* ------------------------------------------------------------ random ---- */
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static double urand(void)
-{
-    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
-    return ((rng_state >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
 static int g_fast_rand = 0; /* timing inputs: a cheap stand-in with unit variance */
 static double randn(void)
 {
     if (g_fast_rand) return (urand() + urand() + urand() - 1.5) * 2.0;
-    return sqrt(-2.0 * log(urand())) * cos(6.283185307179586 * urand());
+    return nrand();
 }
 
 /* value as stored in dtype dt, read back as float (what the kernel sees) */

@@ -20,24 +20,10 @@
 #include <algorithm>
 
 #include "gdn_cuda_common.cuh"
+#include "check_common.h"
 
-#define CK(x)                                                                           \
-    do {                                                                                \
-        cudaError_t e_ = (x);                                                           \
-        if (e_ != cudaSuccess) {                                                        \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(2);                                                                    \
-        }                                                                               \
-    } while (0)
 
 static int g_fail = 0;
-static unsigned long long g_rng = 88172645463325252ull;
-static double urand(void)
-{
-    g_rng ^= g_rng << 13; g_rng ^= g_rng >> 7; g_rng ^= g_rng << 17;
-    return (double)(g_rng >> 11) * (1.0 / 9007199254740992.0);
-}
-static double nrand(void) { return sqrt(-2.0 * log(urand() + 1e-300)) * cos(6.283185307179586 * urand()); }
 
 static float bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static uint16_t f2bf(float f)
