@@ -36,6 +36,8 @@
 
 #include "gdn.h"
 
+#include <string.h>
+
 /* ------------------------------------------------------------ errors ---- */
 
 /* The one error check: a failed CUDA call returns FQ_ERR_CUDA with the CUDA
@@ -287,7 +289,70 @@ fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int6
  * first call per device). */
 fq_status fq_cuda_set_smem(const void *kernel, int bytes);
 
+/* 1 when the forward's stages A, B, C are launched as programmatic dependent
+ * launches (below): the current device is sm_90 or newer and the environment
+ * variable FLASHQLA_CUDA_PDL is not "0" (read once; a dev switch for timing
+ * the difference). */
+int fq_cuda_pdl_enabled(void);
+
 #ifdef __cplusplus
+}
+#endif
+
+/* ------------------------------------------ programmatic dependent launch ----
+ *
+ * A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization
+ * may start while the kernel before it on the stream is still running: its
+ * blocks are scheduled once every block of the previous kernel has executed
+ * griddepcontrol.launch_dependents (fq_pdl_trigger) or exited. It must then
+ * execute griddepcontrol.wait (fq_pdl_wait) before it reads anything the
+ * previous kernel writes or writes anything the previous kernel reads: the
+ * wait returns when the previous grid has completed and its memory is
+ * visible. Rules kept by every kernel that can be launched this way:
+ *   - before fq_pdl_wait it reads only the caller's inputs (complete before
+ *     the first kernel of the call, which is launched without the attribute)
+ *     and writes nothing in global memory: the kernels before it may have
+ *     triggered early (the chunk table kernel does at its start, A and B
+ *     too), so not even the chunk table is complete before the wait;
+ *   - every block executes fq_pdl_wait, also a block that has nothing to do
+ *     (else a grid of such blocks could complete before the one it follows,
+ *     and a kernel waiting on it would not be ordered after that one).
+ * Without the attribute both instructions are no-ops; before sm_90 they are
+ * compiled out (the compute_80 PTX fallback never gets the attribute). */
+static __device__ __forceinline__ void fq_pdl_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_pdl_trigger(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+#ifdef __cplusplus
+/* <<<grid, block, smem, stream>>> with the programmatic-serialization
+ * attribute when pdl != 0 (checked launch). */
+template <typename... P, typename... A>
+static fq_status fq_launch_k(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem,
+                             cudaStream_t stream, int pdl, A... args)
+{
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    FQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
 }
 #endif
 

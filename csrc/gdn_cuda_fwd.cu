@@ -39,6 +39,34 @@ extern "C" fq_status fq_cuda_set_smem(const void *kernel, int bytes)
     return FQ_OK;
 }
 
+/* ------------------------------------- programmatic dependent launch ---- */
+
+__global__ void fq_poison_kernel(const int *flags, void *x, fq_dtype dt, int64_t n);
+
+/* See gdn_cuda_common.cuh. The instructions exist only in the sm_90a code,
+ * so the launch attribute is used only where that code runs: a kernel of
+ * this module reports PTX version >= 90 (not so when the compute_80 PTX
+ * fallback was JIT-compiled, e.g. with CUDA_FORCE_PTX_JIT=1 or on another
+ * architecture). Cached per device; FLASHQLA_CUDA_PDL=0 turns it off. */
+extern "C" int fq_cuda_pdl_enabled(void)
+{
+    static int env = -1;
+    static signed char per_dev[64]; /* 0 unknown, 1 yes, 2 no */
+    if (env < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_PDL");
+        env = !(e && strcmp(e, "0") == 0);
+    }
+    if (!env) return 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (per_dev[dev] == 0) {
+        cudaFuncAttributes fa;
+        int ok = cudaFuncGetAttributes(&fa, (const void *)fq_poison_kernel) == cudaSuccess && fa.ptxVersion >= 90;
+        per_dev[dev] = ok ? 1 : 2;
+    }
+    return per_dev[dev] == 1;
+}
+
 /* ---------------------------------------------------- workspace layout ---- */
 
 static size_t fq_align256(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -144,6 +172,9 @@ __global__ void __launch_bounds__(1024) fq_chunk_table_kernel(const void *cu, in
 {
     __shared__ int s_bad, s_carry;
     __shared__ int s_warp[32];
+    /* stage A, when it follows directly as a programmatic dependent launch,
+     * may be scheduled now; it waits for this grid before reading the table */
+    fq_pdl_trigger();
     int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nth = blockDim.x;
     if (tid == 0) { s_bad = 0; s_carry = 0; }
     __syncthreads();

@@ -20,6 +20,9 @@
  */
 #include "gdn_cuda_common.cuh"
 
+#include <stdlib.h>
+#include <string.h>
+
 struct fq_output_args {
     const fq_chunk_info *chunks;
     const fq_bf16 *qb, *kb;
@@ -33,21 +36,27 @@ struct fq_output_args {
     float scale;
 };
 
-template <int K, int V> struct fq_output_smem {
+/* LEAN = 0: Q, K, h, Vn side by side (87 KB at K = V = 128: 2 blocks per
+ * SM). LEAN = 1: Vn is loaded into K's place once P = Q K^T is in registers,
+ * while Q h is computed (70 KB: 3 blocks of 8 warps per SM; 83 registers
+ * fit 3 x 256 threads). */
+template <int K, int V, int LEAN = 0> struct fq_output_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
+    static constexpr int tile_k = 64 * LDK * 2, tile_v = 64 * LDV * 2;
     static constexpr int off_q = 0;
-    static constexpr int off_k = off_q + 64 * LDK * 2;
-    static constexpr int off_h = off_k + 64 * LDK * 2;
-    static constexpr int off_v = off_h + K * LDV * 2;
-    static constexpr int off_vec = off_v + 64 * LDV * 2;
+    static constexpr int off_k = off_q + tile_k;
+    static constexpr int off_h = off_k + (LEAN && tile_v > tile_k ? tile_v : tile_k);
+    static constexpr int off_v = LEAN ? off_k : off_h + K * LDV * 2;
+    static constexpr int off_vec = LEAN ? off_h + K * LDV * 2 : off_v + tile_v;
     static constexpr int bytes = off_vec + 3 * 64 * 4;
 };
 
-template <int K, int V, int NVH>
-__global__ void __launch_bounds__(128 * NVH) fq_fwd_output_kernel(fq_output_args args)
+template <int K, int V, int NVH, int LEAN>
+__global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(fq_output_args args)
 {
     constexpr int NTH = 128 * NVH, VW = V / NVH; /* threads; output columns per warp */
-    typedef fq_output_smem<K, V> SM;
+    static_assert(!LEAN || NVH == 2, "the lean layout needs the two cp.async groups of NVH = 2");
+    typedef fq_output_smem<K, V, LEAN> SM;
     constexpr int LDK = SM::LDK, LDV = SM::LDV;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *Qs = (fq_bf16 *)(smem + SM::off_q);
@@ -58,6 +67,9 @@ __global__ void __launch_bounds__(128 * NVH) fq_fwd_output_kernel(fq_output_args
 
     const int HV = args.HV;
     const int chunk = blockIdx.x / HV, j = blockIdx.x % HV;
+    /* programmatic dependent launch (gdn_cuda_common.cuh): everything this
+     * block reads, the chunk table included, only after the wait */
+    fq_pdl_wait();
     const fq_chunk_info ci = args.chunks[chunk];
     if (ci.seq < 0) return;
     const int hq = j / (HV / args.H);
@@ -84,13 +96,15 @@ __global__ void __launch_bounds__(128 * NVH) fq_fwd_output_kernel(fq_output_args
             int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
             fq_cp_async16(Hs + r * LDV + c, hg + r * V + c, 16);
         }
-        const fq_bf16 *vg = args.vn + tile * V;
-        for (int idx = tid; idx < 64 * (V / 8); idx += NTH) {
-            int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
-            fq_cp_async16(Vs + r * LDV + c, vg + r * V + c, 16);
+        if (!LEAN) {
+            const fq_bf16 *vg = args.vn + tile * V;
+            for (int idx = tid; idx < 64 * (V / 8); idx += NTH) {
+                int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
+                fq_cp_async16(Vs + r * LDV + c, vg + r * V + c, 16);
+            }
         }
     }
-    fq_cp_async_commit(); /* v2: group 1: h, Vn */
+    fq_cp_async_commit(); /* v2: group 1: h, Vn (LEAN: h only) */
     if (tid < 64) {
         gam[tid] = args.gamma[tile + tid];
         float rq = 1.f, rk = 1.f;
@@ -137,7 +151,18 @@ __global__ void __launch_bounds__(128 * NVH) fq_fwd_output_kernel(fq_output_args
             P[n][e] = (s <= r) ? P[n][e] * __expf(gam[r] - gam[s]) * rqv[r] * rkv[s] : 0.f;
         }
 
-    if (NVH == 2) {
+    if (LEAN) {
+        /* every warp is done with K: Vn goes into its place (group 2) */
+        __syncthreads();
+        const fq_bf16 *vg = args.vn + tile * V;
+        for (int idx = tid; idx < 64 * (V / 8); idx += NTH) {
+            int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
+            fq_cp_async16(Vs + r * LDV + c, vg + r * V + c, 16);
+        }
+        fq_cp_async_commit();
+        fq_cp_async_wait<1>(); /* h landed */
+        __syncthreads();
+    } else if (NVH == 2) {
         fq_cp_async_wait<0>(); /* h, Vn landed */
         __syncthreads();
     }
@@ -162,6 +187,10 @@ __global__ void __launch_bounds__(128 * NVH) fq_fwd_output_kernel(fq_output_args
     for (int n = 0; n < VW / 8; n++) {
         O[n][0] *= rowf[0]; O[n][1] *= rowf[0];
         O[n][2] *= rowf[1]; O[n][3] *= rowf[1];
+    }
+    if (LEAN) {
+        fq_cp_async_wait<0>(); /* Vn landed */
+        __syncthreads();
     }
     /* O += P Vn */
 #pragma unroll
@@ -201,15 +230,28 @@ __global__ void __launch_bounds__(128 * NVH) fq_fwd_output_kernel(fq_output_args
     }
 }
 
+template <int K, int V, int NVH, int LEAN>
+static fq_status fq_launch_output_lean(const fq_output_args &args, int64_t blocks, cudaStream_t stream)
+{
+    int bytes = fq_output_smem<K, V, LEAN>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_output_kernel<K, V, NVH, LEAN>, bytes);
+    if (st != FQ_OK) return st;
+    return fq_launch_k(fq_fwd_output_kernel<K, V, NVH, LEAN>, (unsigned)blocks, 128 * NVH, bytes, stream,
+                       fq_cuda_pdl_enabled(), args);
+}
+
+/* The lean layout unless FLASHQLA_CUDA_OUT_LEAN=0 (read once; a dev switch
+ * for timing the two layouts side by side). */
 template <int K, int V, int NVH>
 static fq_status fq_launch_output_nvh(const fq_output_args &args, int64_t blocks, cudaStream_t stream)
 {
-    int bytes = fq_output_smem<K, V>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_output_kernel<K, V, NVH>, bytes);
-    if (st != FQ_OK) return st;
-    fq_fwd_output_kernel<K, V, NVH><<<(unsigned)blocks, 128 * NVH, bytes, stream>>>(args);
-    FQ_CUDA_CHECK_LAUNCH();
-    return FQ_OK;
+    static int lean = -1;
+    if (lean < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_OUT_LEAN");
+        lean = !(e && strcmp(e, "0") == 0);
+    }
+    if (lean) return fq_launch_output_lean<K, V, NVH, 1>(args, blocks, stream);
+    return fq_launch_output_lean<K, V, NVH, 0>(args, blocks, stream);
 }
 
 /* Stage C. */

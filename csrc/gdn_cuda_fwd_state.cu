@@ -98,7 +98,6 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
     const int HV = args.HV, nvs = V / BV;
     const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV, n = blockIdx.x / (nvs * HV);
     const int hq = j / (HV / args.H);
-    const fq_seq_info si = args.seqs[n];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
     const int grp = warp / KS, kh = warp % KS;
@@ -115,6 +114,13 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
             int k = k0 + 8 * nt + 2 * tq + (e & 1), v = vw + gq + 8 * (e >> 1);
             S[nt][e] = args.h0 ? args.h0[state_off + (int64_t)k * V + v] : 0.f;
         }
+
+    /* programmatic dependent launch (gdn_cuda_common.cuh): h0 (a caller's
+     * input) is read above, before the wait; the sequence table and stage A's
+     * W, U, gamma, kdecay only after it */
+    fq_pdl_trigger();
+    fq_pdl_wait();
+    const fq_seq_info si = args.seqs[n];
 
     /* async load of part `part` of chunk lc (local index) into buffer b:
      * rows part*RP .. part*RP + RP - 1 of W and K (RP = 64 / NPART), and in
@@ -301,9 +307,8 @@ static fq_status fq_launch_state2_ns(const fq_state_args &args, int64_t blocks, 
     int bytes = fq_state2_smem<K, NW, NS, KS>::bytes;
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_state2_kernel<K, NW, NS, KS>, bytes);
     if (st != FQ_OK) return st;
-    fq_fwd_state2_kernel<K, NW, NS, KS><<<(unsigned)blocks, NW * KS * 32, bytes, stream>>>(args, V);
-    FQ_CUDA_CHECK_LAUNCH();
-    return FQ_OK;
+    return fq_launch_k(fq_fwd_state2_kernel<K, NW, NS, KS>, (unsigned)blocks, NW * KS * 32, bytes, stream,
+                       fq_cuda_pdl_enabled(), args, V);
 }
 
 /* One block per SM or fewer: 4-deep ring (150-210 KB); more: 2-deep, two

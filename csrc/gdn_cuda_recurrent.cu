@@ -21,6 +21,8 @@
  */
 #include "gdn_cuda_common.cuh"
 
+#include <stdlib.h>
+
 struct fq_rec_args {
     const void *q, *k, *v, *g, *beta;
     fq_dtype dtype, gate_dtype;
@@ -80,8 +82,13 @@ template <int RK> struct fq_rec_tok {
     float q[RK], k[RK], v[4], g, b;
 };
 
-template <int K>
-__global__ void __launch_bounds__(128) fq_recurrent_kernel(fq_rec_args args)
+/* MINB: resident blocks per SM asked of the compiler. The state tile in
+ * flight is what bounds decode (16 KB per block at K = 128): with no bound
+ * (MINB = 0) K = 128 takes 132 registers, 3 blocks = 48 KB in flight per SM;
+ * MINB = 4 caps it at 128 registers (4 blocks), MINB = 5 at 96 (5 blocks, a
+ * few bytes of spill). */
+template <int K, int MINB>
+__global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args args)
 {
     constexpr int RK = K / 16; /* state rows per thread */
     __shared__ float red[2][4][8][FQ_REC_RED + 1];
@@ -228,6 +235,7 @@ __global__ void fq_rec_validate_kernel(const void *cu, int is64, int64_t N, int6
 }
 
 #define FQ_REC_WS 256
+#define FQ_REC_MINB_DEFAULT 5
 
 extern "C" size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p)
 {
@@ -267,8 +275,20 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     }
     int64_t blocks = p->N * p->HV * (p->V / 32);
     if (blocks <= 0) return FQ_OK;
-    if (p->K == 128) fq_recurrent_kernel<128><<<(unsigned)blocks, 128, 0, stream>>>(a);
-    else fq_recurrent_kernel<64><<<(unsigned)blocks, 128, 0, stream>>>(a);
+    /* FLASHQLA_CUDA_REC_MINB = 0, 4 or 5 (read once): a dev switch for timing
+     * the register bounds side by side */
+    static int minb = -1;
+    if (minb < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_REC_MINB");
+        minb = e ? atoi(e) : FQ_REC_MINB_DEFAULT;
+    }
+    if (p->K == 128) {
+        if (minb == 5) fq_recurrent_kernel<128, 5><<<(unsigned)blocks, 128, 0, stream>>>(a);
+        else if (minb == 4) fq_recurrent_kernel<128, 4><<<(unsigned)blocks, 128, 0, stream>>>(a);
+        else fq_recurrent_kernel<128, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
+    } else {
+        fq_recurrent_kernel<64, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
+    }
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }

@@ -11,7 +11,8 @@
 # bench.log, the results JSON + PNG and triton_cache.txz (7 files; the device tool returns 8
 # at most). FQ_TOTAL_BUDGET (s, default 540) bounds the whole run: each stage gets what is
 # left minus a reserve for the later ones, the benchmark skips rows it has no time for.
-# FQ_BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--rows fwd").
+# FQ_BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--rows fwd"). FQ_PRE_CMD: a dev command
+# run after the build, before the tests (output in $OUT/pre.log).
 #
 # Carried inputs (ignored paths named in the device call's `carry`):
 #   .whl/    FLA's wheel (fla_core-0.6.0-py3-none-any.whl); installed into /tmp/site
@@ -178,6 +179,19 @@ if [ -n "$WARM_PID" ]; then
     for _ in $(seq 1 "$WAIT_CAP"); do kill -0 "$WARM_PID" 2>/dev/null || break; sleep 1; done
     stop_warmup
     tail -n 3 /tmp/fla_warmup.log
+fi
+
+# ------------------------------------------------------------- dev pre-command --
+# FQ_PRE_CMD (optional): a command run here, after the build and the FLA warm-up and
+# before the tests, with the GPU otherwise idle (e.g. dev/cuda/run_check_fwd.sh ab);
+# its output goes to $OUT/pre.log and is printed.
+if [ -n "${FQ_PRE_CMD:-}" ]; then
+    stage_begin "pre-command"
+    PC=$(cap 300 200)
+    timeout "$PC" bash -c "$FQ_PRE_CMD" > "$OUT/pre.log" 2>&1
+    rc=$?
+    cat "$OUT/pre.log" | tail -n 80
+    stage_end "rc=$rc"
 fi
 
 # ------------------------------------------------------------------------ tests --

@@ -706,16 +706,37 @@ int main(int argc, char **argv)
     int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     int tiny = argc > 1 && strcmp(argv[1], "tiny") == 0;
     int race = argc > 1 && strcmp(argv[1], "race") == 0;
+    /* `time`: no checks, the forward timings of the rows below 32768 tokens
+     * plus 16/32 1x32768 (for A/B runs of the dev switches, one process per
+     * setting since the library reads them once) */
+    int timeonly = argc > 1 && strcmp(argv[1], "time") == 0;
     if (race) tiny = 1;
     if (tiny) quick = 1;
     g_stat.worst = 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("device: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+    printf("programmatic dependent launch in the forward: %s\n", fq_cuda_pdl_enabled() ? "on" : "off");
 
-    printf("chunked forward vs float64 reference ([auto]: as the library runs it; [bvNN ksN]: stage B columns, "
-           "K-split forced)\n");
-    chunk_suite(quick, tiny, race);
+    if (timeonly) {
+        g_fast_rand = 1;
+        printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
+        time_fwd(16, 32, 1, 2048, 0, 0.1345);
+        time_fwd(16, 32, 1, 8192, 0, 0.4827);
+        time_fwd(16, 32, 8, 1024, 0, 0.507);
+        time_fwd(2, 8, 1, 4096, 0, 0.1345);
+        time_fwd(16, 32, 1, 32768, 0, 1.920);
+        time_recurrent(1, 16, 32, 1);
+        time_recurrent(64, 16, 32, 1);
+        time_recurrent(256, 16, 32, 1);
+        time_recurrent(64, 16, 32, 4);
+        quick = 1;
+        tiny = 1;
+    } else {
+        printf("chunked forward vs float64 reference ([auto]: as the library runs it; [bvNN ksN]: stage B "
+               "columns, K-split forced)\n");
+        chunk_suite(quick, tiny, race);
+    }
     if (!tiny) {
         printf("errors\n");
         check_errors();

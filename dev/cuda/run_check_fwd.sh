@@ -6,9 +6,45 @@
 # problems) and racecheck (mode race: fewer, shorter). The summary table of
 # the full run is printed last. Logs go to $OUT if set (check_fwd.log,
 # jit.log, memcheck.log, racecheck.log). About 3-4 minutes on the H200.
+#
+#   bash dev/cuda/run_check_fwd.sh [full|build|ab]
+#     full (default) as above; build: only compile $B/check_fwd;
+#     ab: A/B timings of the forward's dev switches (FLASHQLA_CUDA_WY_LEAN,
+#     FLASHQLA_CUDA_PDL, FLASHQLA_CUDA_OUT_LEAN, FLASHQLA_CUDA_REC_MINB: one
+#     process per setting, `check_fwd time`; the settings are the lines of
+#     FQ_AB_CONFIGS, e.g. $'1 1 1 5\n1 0 1 5'), then the
+#     quick check and the tiny memcheck/racecheck runs with the defaults.
+#     build/ab reuse $B/check_fwd when it exists.
 set -u
-OUTDIR=${OUT:-/tmp}
+MODE=${1:-full}
+OUTDIR=${OUT:-/tmp}; mkdir -p "$OUTDIR"
 B=/tmp/fqbuild; mkdir -p $B
+if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
+  IFS=$'\n' read -r -d '' -a CFGS <<< "${FQ_AB_CONFIGS:-1 1 1 5}"
+  for cfg in "${CFGS[@]}"; do
+    set -- $cfg
+    echo "=== FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4"
+    FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4 \
+      timeout 100 $B/check_fwd time > $OUTDIR/ab_$1$2$3$4.log 2>&1
+    grep -E "programmatic|recurrent N" $OUTDIR/ab_$1$2$3$4.log
+    sed -n "/==== summary/,\$p" $OUTDIR/ab_$1$2$3$4.log | grep -E "^[0-9]+/|shape"
+  done
+  echo "=== quick check (defaults)"
+  timeout 150 $B/check_fwd quick > $OUTDIR/check_fwd_quick.log 2>&1; rc=$?
+  grep -E "FAIL" $OUTDIR/check_fwd_quick.log | head -20
+  echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd_quick.log) checks ok, $(grep -c 'FAIL' $OUTDIR/check_fwd_quick.log) FAIL lines)"
+  grep -E "correctness:" $OUTDIR/check_fwd_quick.log
+  if command -v compute-sanitizer >/dev/null; then
+    ( timeout 110 compute-sanitizer --tool memcheck $B/check_fwd tiny > $OUTDIR/memcheck_fwd.log 2>&1 ) &
+    j2=$!
+    ( timeout 110 compute-sanitizer --tool racecheck $B/check_fwd race > $OUTDIR/racecheck_fwd.log 2>&1 ) &
+    j3=$!
+    wait $j2 $j3
+    echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck_fwd.log | tail -3 | tr '\n' ' ')"
+    echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck_fwd.log | tail -3 | tr '\n' ' ')"
+  fi
+  exit 0
+fi
 NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
@@ -27,6 +63,8 @@ done
 [ $fail = 0 ] || { cat $B/*.log | grep -B2 -A5 error | head -60; exit 1; }
 $NV -o $B/check_fwd $B/check_fwd.o $B/gdn_cuda_fwd.o $B/gdn_cuda_fwd_wy.o $B/gdn_cuda_fwd_state.o \
     $B/gdn_cuda_fwd_output.o $B/gdn_cuda_recurrent.o $B/gdn_common.o || exit 1
+[ "$MODE" = build ] && exit 0
+[ "$MODE" = ab ] && exec bash "$0" ab
 echo "=== full check + timings"
 timeout 240 $B/check_fwd > $OUTDIR/check_fwd.log 2>&1; rc=$?
 grep -vE " ok$" $OUTDIR/check_fwd.log | sed '/==== summary/,$d'
