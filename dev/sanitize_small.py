@@ -180,7 +180,8 @@ def run(C, dev, stream, quick):
     for K in ((128,) if quick else (64, 128)):
         chunk_case(C, K, 1, 2, [130], False, False, stream, dev)             # GVA, one sequence
         chunk_case(C, K, 2, 2, [1, 65, 64], True, not quick, stream, dev)   # varlen, length-1 seq
-        recurrent_case(C, K, 1, 2, 1 if quick else 2, stream, dev)
+        recurrent_case(C, K, 1, 2, 1, stream, dev)                          # decode: one token
+        recurrent_case(C, K, 1, 2, 2 if quick else 10, stream, dev)         # staged tokens (ring of 8)
 
 
 def main(argv=None):

@@ -10,9 +10,10 @@
 #   bash dev/cuda/run_check_fwd.sh [full|build|ab]
 #     full (default) as above; build: only compile $B/check_fwd;
 #     ab: A/B timings of the forward's dev switches (FLASHQLA_CUDA_WY_LEAN,
-#     FLASHQLA_CUDA_PDL, FLASHQLA_CUDA_OUT_LEAN, FLASHQLA_CUDA_REC_MINB: one
-#     process per setting, `check_fwd time`; the settings are the lines of
-#     FQ_AB_CONFIGS, e.g. $'1 1 1 5\n1 0 1 5'), then the
+#     FLASHQLA_CUDA_PDL, FLASHQLA_CUDA_OUT_LEAN, FLASHQLA_CUDA_REC_MINB and
+#     FLASHQLA_CUDA_REC_STAGE (optional, default 2): one process per setting,
+#     `check_fwd time`; the settings are the lines of FQ_AB_CONFIGS, e.g.
+#     $'1 1 1 5\n1 0 1 5 1'), then the
 #     quick check and the tiny memcheck/racecheck runs with the defaults.
 #     build/ab reuse $B/check_fwd when it exists.
 set -u
@@ -23,11 +24,12 @@ if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   IFS=$'\n' read -r -d '' -a CFGS <<< "${FQ_AB_CONFIGS:-1 1 1 5}"
   for cfg in "${CFGS[@]}"; do
     set -- $cfg
-    echo "=== FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4"
+    st=${5:-2}
+    echo "=== FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4 FLASHQLA_CUDA_REC_STAGE=$st"
     FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4 \
-      timeout 100 $B/check_fwd time > $OUTDIR/ab_$1$2$3$4.log 2>&1
-    grep -E "programmatic|recurrent N" $OUTDIR/ab_$1$2$3$4.log
-    sed -n "/==== summary/,\$p" $OUTDIR/ab_$1$2$3$4.log | grep -E "^[0-9]+/|shape"
+      FLASHQLA_CUDA_REC_STAGE=$st timeout 100 $B/check_fwd time > $OUTDIR/ab_$1$2$3$4$st.log 2>&1
+    grep -E "programmatic|recurrent N" $OUTDIR/ab_$1$2$3$4$st.log
+    sed -n "/==== summary/,\$p" $OUTDIR/ab_$1$2$3$4$st.log | grep -E "^[0-9]+/|shape"
   done
   echo "=== quick check (defaults)"
   timeout 150 $B/check_fwd quick > $OUTDIR/check_fwd_quick.log 2>&1; rc=$?
