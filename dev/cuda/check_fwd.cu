@@ -701,6 +701,31 @@ static void chunk_suite(int quick, int tiny, int race)
     }
 }
 
+/* The timed rows: the forward rows of ANCHORS.md (FLA: our H200
+ * measurement where there is one, else published) and decode rows. `time`
+ * mode (short = 1) runs the rows marked short only. */
+struct TimedFwd { int H, HV, nseq, len, varlen; double fla; int in_short; };
+static const TimedFwd TIMED_FWD[] = {
+    {16, 32, 1, 32768, 0, 1.920, 1}, {16, 32, 8, 1024, 0, 0.507, 1},  {16, 32, 1, 8192, 0, 0.4827, 1},
+    {16, 32, 1, 2048, 0, 0.1345, 1}, {16, 32, 8, 4096, 0, 1.914, 0},  {16, 32, 2, 16384, 1, 1.891, 0},
+    {16, 64, 1, 32768, 0, 3.331, 0}, {16, 64, 2, 16384, 1, 3.436, 0}, {2, 8, 1, 32768, 0, 0.904, 0},
+    {2, 8, 1, 4096, 0, 0.1345, 1},   {8, 32, 1, 32768, 0, 1.885, 0},  {16, 48, 1, 32768, 0, 2.711, 0},
+};
+struct TimedRec { int N, H, HV, T, in_short; };
+static const TimedRec TIMED_REC[] = {
+    {1, 16, 32, 1, 1}, {16, 16, 32, 1, 0}, {64, 16, 32, 1, 1}, {256, 16, 32, 1, 1}, {64, 16, 32, 4, 1}, {256, 2, 8, 1, 0},
+};
+
+static void run_timings(int short_only)
+{
+    g_fast_rand = 1;
+    printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
+    for (const TimedFwd &r : TIMED_FWD)
+        if (!short_only || r.in_short) time_fwd(r.H, r.HV, r.nseq, r.len, r.varlen, r.fla);
+    for (const TimedRec &r : TIMED_REC)
+        if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T);
+}
+
 int main(int argc, char **argv)
 {
     int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -719,17 +744,7 @@ int main(int argc, char **argv)
     printf("programmatic dependent launch in the forward: %s\n", fq_cuda_pdl_enabled() ? "on" : "off");
 
     if (timeonly) {
-        g_fast_rand = 1;
-        printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
-        time_fwd(16, 32, 1, 2048, 0, 0.1345);
-        time_fwd(16, 32, 1, 8192, 0, 0.4827);
-        time_fwd(16, 32, 8, 1024, 0, 0.507);
-        time_fwd(2, 8, 1, 4096, 0, 0.1345);
-        time_fwd(16, 32, 1, 32768, 0, 1.920);
-        time_recurrent(1, 16, 32, 1);
-        time_recurrent(64, 16, 32, 1);
-        time_recurrent(256, 16, 32, 1);
-        time_recurrent(64, 16, 32, 4);
+        run_timings(1);
         quick = 1;
         tiny = 1;
     } else {
@@ -752,28 +767,7 @@ int main(int argc, char **argv)
         check_recurrent("N=2 T=70 K=V=64 fp32 l2norm", 2, 70, 2, 4, 64, 64, 0, 1, FQ_F32, 0);
     }
 
-    if (!quick) {
-        g_fast_rand = 1;
-        printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
-        time_fwd(16, 32, 1, 32768, 0, 1.913);
-        time_fwd(16, 32, 8, 1024, 0, 0.507);
-        time_fwd(16, 32, 1, 8192, 0, 0.472);
-        time_fwd(16, 32, 1, 2048, 0, 0.133);
-        time_fwd(16, 32, 8, 4096, 0, 1.914);
-        time_fwd(16, 32, 2, 16384, 1, 1.891);
-        time_fwd(16, 64, 1, 32768, 0, 3.331);
-        time_fwd(16, 64, 2, 16384, 1, 3.436);
-        time_fwd(2, 8, 1, 32768, 0, 0.904);
-        time_fwd(2, 8, 1, 4096, 0, 0.132);
-        time_fwd(8, 32, 1, 32768, 0, 1.885);
-        time_fwd(16, 48, 1, 32768, 0, 2.711);
-        time_recurrent(1, 16, 32, 1);
-        time_recurrent(16, 16, 32, 1);
-        time_recurrent(64, 16, 32, 1);
-        time_recurrent(256, 16, 32, 1);
-        time_recurrent(64, 16, 32, 4);
-        time_recurrent(256, 2, 8, 1);
-    }
+    if (!quick) run_timings(0);
 
     printf("\n==== summary ====\n");
     printf("correctness: %d checks, %d failed, worst rel %.3e\n", g_stat.n, g_stat.fail, g_stat.worst);

@@ -20,6 +20,21 @@ set -u
 MODE=${1:-full}
 OUTDIR=${OUT:-/tmp}; mkdir -p "$OUTDIR"
 B=/tmp/fqbuild; mkdir -p $B
+# compute-sanitizer memcheck (mode tiny) and racecheck (mode race) in parallel,
+# logs memcheck$1.log and racecheck$1.log; print_sanitize shows their verdicts
+sanitize_tiny() {
+  command -v compute-sanitizer > /dev/null || return 0
+  ( timeout 110 compute-sanitizer --tool memcheck $B/check_fwd tiny > $OUTDIR/memcheck$1.log 2>&1 ) &
+  local j2=$!
+  ( timeout 110 compute-sanitizer --tool racecheck $B/check_fwd race > $OUTDIR/racecheck$1.log 2>&1 ) &
+  local j3=$!
+  wait $j2 $j3
+}
+print_sanitize() {
+  [ -f $OUTDIR/memcheck$1.log ] && echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck$1.log | tail -3 | tr '\n' ' ')"
+  [ -f $OUTDIR/racecheck$1.log ] && echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck$1.log | tail -3 | tr '\n' ' ')"
+  return 0
+}
 if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   IFS=$'\n' read -r -d '' -a CFGS <<< "${FQ_AB_CONFIGS:-1 1 1 5}"
   for cfg in "${CFGS[@]}"; do
@@ -36,15 +51,8 @@ if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   grep -E "FAIL" $OUTDIR/check_fwd_quick.log | head -20
   echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd_quick.log) checks ok, $(grep -c 'FAIL' $OUTDIR/check_fwd_quick.log) FAIL lines)"
   grep -E "correctness:" $OUTDIR/check_fwd_quick.log
-  if command -v compute-sanitizer >/dev/null; then
-    ( timeout 110 compute-sanitizer --tool memcheck $B/check_fwd tiny > $OUTDIR/memcheck_fwd.log 2>&1 ) &
-    j2=$!
-    ( timeout 110 compute-sanitizer --tool racecheck $B/check_fwd race > $OUTDIR/racecheck_fwd.log 2>&1 ) &
-    j3=$!
-    wait $j2 $j3
-    echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck_fwd.log | tail -3 | tr '\n' ' ')"
-    echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck_fwd.log | tail -3 | tr '\n' ' ')"
-  fi
+  sanitize_tiny _fwd
+  print_sanitize _fwd
   exit 0
 fi
 NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
@@ -74,17 +82,10 @@ echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd.log) checks ok, $(grep -c 'F
 echo "=== compute_80 PTX (forced JIT, tiny), memcheck (tiny), racecheck (race), in parallel"
 ( CUDA_FORCE_PTX_JIT=1 timeout 110 $B/check_fwd tiny > $OUTDIR/jit.log 2>&1 ) &
 j1=$!
-if command -v compute-sanitizer >/dev/null; then
-  ( timeout 110 compute-sanitizer --tool memcheck $B/check_fwd tiny > $OUTDIR/memcheck.log 2>&1 ) &
-  j2=$!
-  ( timeout 110 compute-sanitizer --tool racecheck $B/check_fwd race > $OUTDIR/racecheck.log 2>&1 ) &
-  j3=$!
-  wait $j2 $j3
-fi
+sanitize_tiny ""
 wait $j1
 echo "jit:       $(grep -E 'FAIL|passed' $OUTDIR/jit.log | tail -3 | tr '\n' ' ')"
-[ -f $OUTDIR/memcheck.log ] && echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck.log | tail -3 | tr '\n' ' ')"
-[ -f $OUTDIR/racecheck.log ] && echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck.log | tail -3 | tr '\n' ' ')"
+print_sanitize ""
 echo "=== summary of the full run"
 sed -n '/==== summary/,$p' $OUTDIR/check_fwd.log
 exit 0
