@@ -10,18 +10,14 @@
  * Q K^T tile goes from the accumulators straight into the A fragments of the
  * second product.
  *
- * 8 warps (NVH = 2, the "v2" of stage C): warp w computes rows 16 (w % 4)..
- * and the V/2 columns of half w / 4, recomputing its rows of P; Q, K arrive
- * in a first cp.async group so that P is computed while h and Vn are still in
- * flight. The kernel is a template over NVH (value-column halves) and still
- * reads as one for NVH = 1 (the superseded v1: 4 warps, one cp.async group),
- * but only NVH = 2 is instantiated; v1's launch path was removed (see
- * benchmarks/NOTES.md and git history, commit 4599409).
+ * 8 warps: warp w computes rows 16 (w % 4).. and the V/2 columns of half
+ * w / 4, recomputing its rows of P. Q, K arrive in a first cp.async group
+ * and h in a second, so that P is computed while h is still in flight; Vn
+ * goes into K's place once P is in registers, while Q h is computed. The
+ * superseded versions (4 warps; Vn beside K, 2 blocks per SM) are in git
+ * history (commits 4599409, f002431) and benchmarks/NOTES.md.
  */
 #include "gdn_cuda_common.cuh"
-
-#include <stdlib.h>
-#include <string.h>
 
 struct fq_output_args {
     const fq_chunk_info *chunks;
@@ -36,27 +32,24 @@ struct fq_output_args {
     float scale;
 };
 
-/* LEAN = 0: Q, K, h, Vn side by side (87 KB at K = V = 128: 2 blocks per
- * SM). LEAN = 1: Vn is loaded into K's place once P = Q K^T is in registers,
- * while Q h is computed (70 KB: 3 blocks of 8 warps per SM; 83 registers
- * fit 3 x 256 threads). */
-template <int K, int V, int LEAN = 0> struct fq_output_smem {
+/* Q, K (later Vn in K's place), h: 70 KB at K = V = 128, 3 blocks of 8 warps
+ * per SM (80 registers). */
+template <int K, int V> struct fq_output_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
     static constexpr int tile_k = 64 * LDK * 2, tile_v = 64 * LDV * 2;
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + tile_k;
-    static constexpr int off_h = off_k + (LEAN && tile_v > tile_k ? tile_v : tile_k);
-    static constexpr int off_v = LEAN ? off_k : off_h + K * LDV * 2;
-    static constexpr int off_vec = LEAN ? off_h + K * LDV * 2 : off_v + tile_v;
+    static constexpr int off_h = off_k + (tile_v > tile_k ? tile_v : tile_k);
+    static constexpr int off_v = off_k;
+    static constexpr int off_vec = off_h + K * LDV * 2;
     static constexpr int bytes = off_vec + 3 * 64 * 4;
 };
 
-template <int K, int V, int NVH, int LEAN>
-__global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(fq_output_args args)
+template <int K, int V>
+__global__ void __launch_bounds__(256, 3) fq_fwd_output_kernel(fq_output_args args)
 {
-    constexpr int NTH = 128 * NVH, VW = V / NVH; /* threads; output columns per warp */
-    static_assert(!LEAN || NVH == 2, "the lean layout needs the two cp.async groups of NVH = 2");
-    typedef fq_output_smem<K, V, LEAN> SM;
+    constexpr int NTH = 256, VW = V / 2; /* threads; output columns per warp */
+    typedef fq_output_smem<K, V> SM;
     constexpr int LDK = SM::LDK, LDV = SM::LDV;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *Qs = (fq_bf16 *)(smem + SM::off_q);
@@ -89,22 +82,15 @@ __global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(
         fq_cp_async16(Qs + r * LDK + c, sq, bytes);
         fq_cp_async16(Ks + r * LDK + c, sk, bytes);
     }
-    if (NVH == 2) fq_cp_async_commit(); /* group 0: Q, K */
+    fq_cp_async_commit(); /* group 0: Q, K */
     {
         const fq_bf16 *hg = args.h + (int64_t)blockIdx.x * K * V;
         for (int idx = tid; idx < K * (V / 8); idx += NTH) {
             int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
             fq_cp_async16(Hs + r * LDV + c, hg + r * V + c, 16);
         }
-        if (!LEAN) {
-            const fq_bf16 *vg = args.vn + tile * V;
-            for (int idx = tid; idx < 64 * (V / 8); idx += NTH) {
-                int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
-                fq_cp_async16(Vs + r * LDV + c, vg + r * V + c, 16);
-            }
-        }
     }
-    fq_cp_async_commit(); /* v2: group 1: h, Vn (LEAN: h only) */
+    fq_cp_async_commit(); /* group 1: h */
     if (tid < 64) {
         gam[tid] = args.gamma[tile + tid];
         float rq = 1.f, rk = 1.f;
@@ -116,8 +102,7 @@ __global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(
         rqv[tid] = rq;
         rkv[tid] = rk;
     }
-    if (NVH == 2) fq_cp_async_wait<1>(); /* Q, K landed */
-    else fq_cp_async_wait<0>();
+    fq_cp_async_wait<1>(); /* Q, K landed */
     __syncthreads();
 
     /* P = lower_incl(Q K^T ⊙ Gamma) (row scales rq, column scales rk) */
@@ -151,7 +136,7 @@ __global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(
             P[n][e] = (s <= r) ? P[n][e] * __expf(gam[r] - gam[s]) * rqv[r] * rkv[s] : 0.f;
         }
 
-    if (LEAN) {
+    {
         /* every warp is done with K: Vn goes into its place (group 2) */
         __syncthreads();
         const fq_bf16 *vg = args.vn + tile * V;
@@ -161,9 +146,6 @@ __global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(
         }
         fq_cp_async_commit();
         fq_cp_async_wait<1>(); /* h landed */
-        __syncthreads();
-    } else if (NVH == 2) {
-        fq_cp_async_wait<0>(); /* h, Vn landed */
         __syncthreads();
     }
 
@@ -188,10 +170,8 @@ __global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(
         O[n][0] *= rowf[0]; O[n][1] *= rowf[0];
         O[n][2] *= rowf[1]; O[n][3] *= rowf[1];
     }
-    if (LEAN) {
-        fq_cp_async_wait<0>(); /* Vn landed */
-        __syncthreads();
-    }
+    fq_cp_async_wait<0>(); /* Vn landed */
+    __syncthreads();
     /* O += P Vn */
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -230,28 +210,14 @@ __global__ void __launch_bounds__(128 * NVH, LEAN ? 3 : 0) fq_fwd_output_kernel(
     }
 }
 
-template <int K, int V, int NVH, int LEAN>
-static fq_status fq_launch_output_lean(const fq_output_args &args, int64_t blocks, cudaStream_t stream)
+template <int K, int V>
+static fq_status fq_launch_output(const fq_output_args &args, int64_t blocks, cudaStream_t stream)
 {
-    int bytes = fq_output_smem<K, V, LEAN>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_output_kernel<K, V, NVH, LEAN>, bytes);
+    int bytes = fq_output_smem<K, V>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_output_kernel<K, V>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_output_kernel<K, V, NVH, LEAN>, (unsigned)blocks, 128 * NVH, bytes, stream,
-                       fq_cuda_pdl_enabled(), args);
-}
-
-/* The lean layout unless FLASHQLA_CUDA_OUT_LEAN=0 (read once; a dev switch
- * for timing the two layouts side by side). */
-template <int K, int V, int NVH>
-static fq_status fq_launch_output_nvh(const fq_output_args &args, int64_t blocks, cudaStream_t stream)
-{
-    static int lean = -1;
-    if (lean < 0) {
-        const char *e = getenv("FLASHQLA_CUDA_OUT_LEAN");
-        lean = !(e && strcmp(e, "0") == 0);
-    }
-    if (lean) return fq_launch_output_lean<K, V, NVH, 1>(args, blocks, stream);
-    return fq_launch_output_lean<K, V, NVH, 0>(args, blocks, stream);
+    return fq_launch_k(fq_fwd_output_kernel<K, V>, (unsigned)blocks, 256, bytes, stream, fq_cuda_pdl_enabled(),
+                       args);
 }
 
 /* Stage C. */
@@ -274,9 +240,9 @@ extern "C" fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws 
     args.dtype = p->dtype;
     args.o_aligned = ((uintptr_t)p->o & 7) == 0;
     args.scale = (float)p->scale;
-    if (p->K == 128 && p->V == 128) return fq_launch_output_nvh<128, 128, 2>(args, blocks, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_output_nvh<128, 64, 2>(args, blocks, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_output_nvh<64, 128, 2>(args, blocks, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_output_nvh<64, 64, 2>(args, blocks, stream);
+    if (p->K == 128 && p->V == 128) return fq_launch_output<128, 128>(args, blocks, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_output<128, 64>(args, blocks, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_output<64, 128>(args, blocks, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_output<64, 64>(args, blocks, stream);
     return fq_cuda_head_dims_unsupported(p);
 }

@@ -21,9 +21,6 @@
  */
 #include "gdn_cuda_common.cuh"
 
-#include <stdlib.h>
-#include <string.h>
-
 struct fq_wy_args {
     const fq_chunk_info *chunks;
     const fq_bf16 *kb, *vb;
@@ -57,19 +54,19 @@ struct fq_wy_args {
  */
 #define FQ_WY2_LDF 72 /* fp32 row stride of L and A: conflict-free float2 fragment reads */
 
-/* LATEV = 0: K, V, L, A tiles side by side (72 KB at K = V = 128, 3 blocks
- * per SM). LATEV = 1 ("lean"): V is loaded only once L is dead, into L's
- * place (64 x LDV bf16 <= 64 x FQ_WY2_LDF fp32 for V <= 128), while W is
- * computed: 54 KB, 4 blocks per SM. */
-template <int K, int V, int LATEV = 0> struct fq_wy2_smem {
+/* K, L, A tiles; V is loaded only once L is dead, into L's place (64 x LDV
+ * bf16 <= 64 x FQ_WY2_LDF fp32 for V <= 128), while W is computed: 54 KB at
+ * K = V = 128, 4 blocks per SM (the first layout kept V beside L: 72 KB, 3
+ * blocks; benchmarks/NOTES.md, "lean stage A"). */
+template <int K, int V> struct fq_wy2_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
     static constexpr int off_k = 0;
-    static constexpr int off_l = off_k + 64 * LDK * 2 + (LATEV ? 0 : 64 * LDV * 2);
-    static constexpr int off_v = LATEV ? off_l : off_k + 64 * LDK * 2;
+    static constexpr int off_l = off_k + 64 * LDK * 2;
+    static constexpr int off_v = off_l;
     static constexpr int off_a = off_l + 64 * FQ_WY2_LDF * 4;
     static constexpr int off_vec = off_a + 64 * FQ_WY2_LDF * 4;
     static constexpr int bytes = off_vec + 4 * 64 * 4;
-    static_assert(!LATEV || 64 * LDV * 2 <= 64 * FQ_WY2_LDF * 4, "V tile must fit in L's place");
+    static_assert(64 * LDV * 2 <= 64 * FQ_WY2_LDF * 4, "V tile must fit in L's place");
 };
 
 /* acc[0..7] += (X Y)[r][cb..cb+7] for 16x16 fp32 blocks X, Y in shared memory
@@ -211,10 +208,10 @@ static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float
     }
 }
 
-template <int K, int V, int LATEV>
-__global__ void __launch_bounds__(128, LATEV ? 4 : 3) fq_fwd_wy2_kernel(fq_wy_args args)
+template <int K, int V>
+__global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
 {
-    typedef fq_wy2_smem<K, V, LATEV> SM;
+    typedef fq_wy2_smem<K, V> SM;
     constexpr int LDF = FQ_WY2_LDF;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
@@ -253,8 +250,7 @@ __global__ void __launch_bounds__(128, LATEV ? 4 : 3) fq_fwd_wy2_kernel(fq_wy_ar
             fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
         }
     };
-    if (!LATEV) load_v();
-    fq_cp_async_commit();
+    fq_cp_async_commit(); /* K only: V comes once L is dead */
     /* gamma = cumsum(g) (one warp: tokens lane and lane + 32), beta, rk and
      * the W column factors fw = beta e^gamma rk */
     if (warp == 0) {
@@ -322,18 +318,14 @@ __global__ void __launch_bounds__(128, LATEV ? 4 : 3) fq_fwd_wy2_kernel(fq_wy_ar
     __syncthreads();
 
     /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4..
-     * (LATEV: L is dead after the barrier above; V lands in its place while
-     * W is computed) */
+     * (L is dead after the barrier above; V lands in its place while W is
+     * computed) */
     const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
-    if (LATEV) {
-        load_v();
-        fq_cp_async_commit();
-    }
+    load_v();
+    fq_cp_async_commit();
     fq_wy2_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
-    if (LATEV) {
-        fq_cp_async_wait<0>();
-        __syncthreads();
-    }
+    fq_cp_async_wait<0>();
+    __syncthreads();
     fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
     if (args.a) {
         /* bf16 A for the backward, zeros above the diagonal (those blocks of
@@ -377,33 +369,14 @@ static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
     return args;
 }
 
-template <int K, int V, int LATEV = 0>
+template <int K, int V>
 static fq_status fq_launch_wy2(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
 {
-    int bytes = fq_wy2_smem<K, V, LATEV>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy2_kernel<K, V, LATEV>, bytes);
+    int bytes = fq_wy2_smem<K, V>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy2_kernel<K, V>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_wy2_kernel<K, V, LATEV>, (unsigned)blocks, 128, bytes, stream,
+    return fq_launch_k(fq_fwd_wy2_kernel<K, V>, (unsigned)blocks, 128, bytes, stream,
                        fq_cuda_pdl_enabled(), args);
-}
-
-/* v2 with the lean layout (LATEV = 1) unless FLASHQLA_CUDA_WY_LEAN=0 (read
- * once; a dev switch for timing the two layouts side by side). */
-static int fq_wy2_lean(void)
-{
-    static int lean = -1;
-    if (lean < 0) {
-        const char *e = getenv("FLASHQLA_CUDA_WY_LEAN");
-        lean = !(e && strcmp(e, "0") == 0);
-    }
-    return lean;
-}
-
-template <int K, int V>
-static fq_status fq_launch_wy2_pick(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
-{
-    if (fq_wy2_lean()) return fq_launch_wy2<K, V, 1>(args, blocks, stream);
-    return fq_launch_wy2<K, V, 0>(args, blocks, stream);
 }
 
 extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
@@ -411,10 +384,10 @@ extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *
     int64_t blocks = ws->nc_max * p->HV;
     if (blocks <= 0) return FQ_OK;
     const fq_wy_args args = fq_wy_args_of(p, ws);
-    if (p->K == 128 && p->V == 128) return fq_launch_wy2_pick<128, 128>(args, blocks, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy2_pick<128, 64>(args, blocks, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy2_pick<64, 128>(args, blocks, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy2_pick<64, 64>(args, blocks, stream);
+    if (p->K == 128 && p->V == 128) return fq_launch_wy2<128, 128>(args, blocks, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy2<128, 64>(args, blocks, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy2<64, 128>(args, blocks, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy2<64, 64>(args, blocks, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 

@@ -14,8 +14,9 @@
  * (4 per warp). Per token one reduction over the rows gives S^T k, S^T q and,
  * for use_qk_l2norm, |q|^2, |k|^2, q.k (q = rq q_raw, k = rk k_raw).
  * Token inputs (q, k rows, the block's v columns) arrive by cp.async in a
- * ring of shared-memory slots, up to 7 tokens ahead (the default, STG = 1;
- * STG = 0 loads them into registers one token ahead).
+ * ring of shared-memory slots, up to 7 tokens ahead (the version that loaded
+ * them into registers one token ahead is in git history, commit 013b381, and
+ * benchmarks/NOTES.md).
  *
  * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
  * rows of the sequence written as 0, the pool untouched. With cu_seqlens a
@@ -23,8 +24,6 @@
  * invalid, every o element is NaN and the pool is untouched.
  */
 #include "gdn_cuda_common.cuh"
-
-#include <stdlib.h>
 
 struct fq_rec_args {
     const void *q, *k, *v, *g, *beta;
@@ -49,37 +48,6 @@ static __device__ __forceinline__ int64_t fq_rec_index(const void *p, int is64, 
 
 #define FQ_REC_RED 11 /* S^T k (4), S^T q (4), k.q, |k|^2, |q|^2 */
 
-/* NE (4 or 8) consecutive elements from index i (a multiple of NE; the array
- * 16-byte aligned) as floats, with 8/16-byte read-only loads. */
-template <int NE>
-static __device__ __forceinline__ void fq_ld_vec(const void *p, fq_dtype dt, int64_t i, float *out)
-{
-    if (dt == FQ_F32) {
-#pragma unroll
-        for (int h = 0; h < NE; h += 4) {
-            float4 x = __ldg((const float4 *)((const float *)p + i + h));
-            out[h] = x.x; out[h + 1] = x.y; out[h + 2] = x.z; out[h + 3] = x.w;
-        }
-        return;
-    }
-    uint32_t w[NE / 2];
-    const uint16_t *b = (const uint16_t *)p + i;
-    if (NE == 8) {
-        uint4 x = __ldg((const uint4 *)b);
-        w[0] = x.x; w[1] = x.y; w[NE / 2 - 2] = x.z; w[NE / 2 - 1] = x.w;
-    } else {
-        uint2 x = __ldg((const uint2 *)b);
-        w[0] = x.x; w[NE / 2 - 1] = x.y;
-    }
-#pragma unroll
-    for (int h = 0; h < NE / 2; h++) {
-        float2 f;
-        if (dt == FQ_BF16) f = fq_unpack_bf16(w[h]);
-        else f = __half22float2(*(const __half2 *)&w[h]);
-        out[2 * h] = f.x; out[2 * h + 1] = f.y;
-    }
-}
-
 /* one token's inputs for this thread */
 template <int RK> struct fq_rec_tok {
     float q[RK], k[RK], v[4], g, b;
@@ -98,7 +66,7 @@ static __device__ __forceinline__ void fq_ld_vec_smem(const unsigned char *row, 
     }
 }
 
-/* Staged token inputs (STG = 1): a ring of FQ_REC_RING token slots in shared
+/* Staged token inputs: a ring of FQ_REC_RING token slots in shared
  * memory, each the raw q row, k row (K elements) and the block's 32 v
  * columns, filled by cp.async FQ_REC_RING - 1 tokens ahead, so a sequence of
  * several tokens (speculative verification, T > 1) does not wait for each
@@ -109,19 +77,18 @@ template <int K> struct fq_rec_ring {
     static constexpr int q = 0, k = K * 4, v = 2 * K * 4, slot = 2 * K * 4 + 32 * 4; /* fp32 worst case */
 };
 
-/* MINB: resident blocks per SM asked of the compiler. The state tile in
- * flight is what bounds decode (16 KB per block at K = 128): with no bound
- * (MINB = 0) K = 128 takes 132 registers, 3 blocks = 48 KB in flight per SM;
- * MINB = 4 caps it at 128 registers (4 blocks), MINB = 5 at 96 (5 blocks, a
- * few bytes of spill). */
-template <int K, int MINB, int STG>
-__global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args args)
+/* Resident blocks per SM asked of the compiler: the state tile in flight is
+ * what bounds decode (16 KB per block at K = 128); 5 blocks cap K = 128 at
+ * 96 registers (8 bytes of spill); unbounded it took 132 (3 blocks). K = 64
+ * is left to the compiler. */
+template <int K>
+__global__ void __launch_bounds__(128, K == 128 ? 5 : 0) fq_recurrent_kernel(fq_rec_args args)
 {
     constexpr int RK = K / 16; /* state rows per thread */
     typedef fq_rec_ring<K> RG;
     __shared__ float red[2][4][8][FQ_REC_RED + 1];
-    __shared__ __align__(16) unsigned char ring[STG ? FQ_REC_RING : 1][STG ? RG::slot : 16];
-    __shared__ float gwin[STG ? 2 : 1][2][STG ? FQ_REC_GWIN : 1]; /* [window parity][g, beta][token] */
+    __shared__ __align__(16) unsigned char ring[FQ_REC_RING][RG::slot];
+    __shared__ float gwin[2][2][FQ_REC_GWIN]; /* [window parity][g, beta][token] */
     const int HV = args.HV, V = args.V, nvs = V / 32;
     const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV;
     const int64_t n = blockIdx.x / (nvs * HV);
@@ -164,18 +131,7 @@ __global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args arg
         S[i][0] = x.x; S[i][1] = x.y; S[i][2] = x.z; S[i][3] = x.w;
     }
 
-    /* inputs of token t; the next token's are loaded before this one's
-     * reduction so their latency overlaps it */
-    auto load_tok = [&](int64_t t, fq_rec_tok<RK> &x) {
-        const int64_t row = bos + t;
-        const int64_t qk_off = (row * args.H + hq) * K + r0;
-        fq_ld_vec<RK>(args.q, args.dtype, qk_off, x.q);
-        fq_ld_vec<RK>(args.k, args.dtype, qk_off, x.k);
-        fq_ld_vec<4>(args.v, args.dtype, (row * HV + j) * V + c0, x.v);
-        x.g = fq_ld_f(args.g, args.gate_dtype, row * HV + j);
-        x.b = fq_ld_f(args.beta, args.gate_dtype, row * HV + j);
-    };
-    /* STG: token t's raw rows into ring slot t % FQ_REC_RING (one cp.async
+    /* token t's raw rows into ring slot t % FQ_REC_RING (one cp.async
      * group per token, possibly empty; threads 0.. copy 16 bytes each) */
     const int es = args.dtype == FQ_F32 ? 4 : 2;
     auto issue_tok = [&](int64_t t) {
@@ -199,30 +155,25 @@ __global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args arg
         }
         fq_cp_async_commit();
     };
-    /* STG: gates of tokens t0 .. t0 + 63 into window (t0 / 64) & 1 */
+    /* gates of tokens t0 .. t0 + 63 into window (t0 / 64) & 1 */
     auto load_gates = [&](int64_t t0) {
         const int w = (int)((t0 / FQ_REC_GWIN) & 1), i = tid & (FQ_REC_GWIN - 1), which = tid / FQ_REC_GWIN;
         if (t0 + i < len) {
             const int64_t gi = (bos + t0 + i) * HV + j;
-            gwin[STG ? w : 0][which][STG ? i : 0] = fq_ld_f(which ? args.beta : args.g, args.gate_dtype, gi);
+            gwin[w][which][i] = fq_ld_f(which ? args.beta : args.g, args.gate_dtype, gi);
         }
     };
     static_assert(2 * FQ_REC_GWIN == 128, "one gate per thread");
 
     fq_rec_tok<RK> cur;
-    if (STG) {
-        for (int s = 0; s < FQ_REC_RING - 1; s++) issue_tok(s);
-        load_gates(0);
-        fq_cp_async_wait<FQ_REC_RING - 2>(); /* token 0 (this thread's part) */
-        __syncthreads();
-    } else if (len > 0) {
-        load_tok(0, cur);
-    }
+    for (int s = 0; s < FQ_REC_RING - 1; s++) issue_tok(s);
+    load_gates(0);
+    fq_cp_async_wait<FQ_REC_RING - 2>(); /* token 0 (this thread's part) */
+    __syncthreads();
 
     for (int64_t t = 0; t < len; t++) {
         const int64_t row = bos + t;
-        fq_rec_tok<RK> nxt;
-        if (STG) {
+        {
             /* token t is visible (the previous barrier); its slot is read
              * into registers here, so slot (t - 1) % RING is free now */
             const unsigned char *slot = ring[t % FQ_REC_RING];
@@ -230,14 +181,12 @@ __global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args arg
             fq_ld_vec_smem<RK>(slot + RG::k, args.dtype, r0, cur.k);
             fq_ld_vec_smem<4>(slot + RG::v, args.dtype, vg * 4, cur.v);
             const int w = (int)((t / FQ_REC_GWIN) & 1), i = (int)(t & (FQ_REC_GWIN - 1));
-            cur.g = gwin[STG ? w : 0][0][STG ? i : 0];
-            cur.b = gwin[STG ? w : 0][1][STG ? i : 0];
+            cur.g = gwin[w][0][i];
+            cur.b = gwin[w][1][i];
             issue_tok(t + FQ_REC_RING - 1);
             /* the next gate window, published by this token's barrier; its
              * buffer was last read two windows ago */
             if (i == FQ_REC_GWIN - 1) load_gates(t + 1);
-        } else if (t + 1 < len) {
-            load_tok(t + 1, nxt);
         }
         const float *qv = cur.q, *kv = cur.k, *vv = cur.v;
         const float gt = cur.g, bt = cur.b;
@@ -266,9 +215,9 @@ __global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args arg
         if (lane < 8)
 #pragma unroll
             for (int e = 0; e < FQ_REC_RED; e++) rb[warp][vg][e] = part[e];
-        /* STG: token t + 1 (this thread's copies) landed; the barrier below
-         * makes it, the partial sums and a new gate window visible */
-        if (STG) fq_cp_async_wait<FQ_REC_RING - 2>();
+        /* token t + 1 (this thread's copies) landed; the barrier below makes
+         * it, the partial sums and a new gate window visible */
+        fq_cp_async_wait<FQ_REC_RING - 2>();
         __syncthreads();
         float tot[FQ_REC_RED];
 #pragma unroll
@@ -299,9 +248,8 @@ __global__ void __launch_bounds__(128, MINB) fq_recurrent_kernel(fq_rec_args arg
 #pragma unroll
             for (int e = 0; e < 4; e++) S[i][e] = alpha * S[i][e] + kn * u[e];
         }
-        if (!STG) cur = nxt;
     }
-    if (STG) fq_cp_async_wait<0>(); /* nothing in flight at exit */
+    fq_cp_async_wait<0>(); /* nothing in flight at exit */
 
 #pragma unroll
     for (int i = 0; i < RK; i++)
@@ -326,7 +274,6 @@ __global__ void fq_rec_validate_kernel(const void *cu, int is64, int64_t N, int6
 }
 
 #define FQ_REC_WS 256
-#define FQ_REC_MINB_DEFAULT 5
 
 extern "C" size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p)
 {
@@ -366,29 +313,8 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     }
     int64_t blocks = p->N * p->HV * (p->V / 32);
     if (blocks <= 0) return FQ_OK;
-    /* dev switches, read once: FLASHQLA_CUDA_REC_STAGE = 1 (default: token
-     * inputs staged through shared memory, also for T = 1, where it measured
-     * 0.385 -> 0.281 ms at N = 256), 0 (registers, one token ahead), 2
-     * (staged only when a sequence may hold more than one token);
-     * FLASHQLA_CUDA_REC_MINB = 0, 4 or 5: register bound of the unstaged
-     * kernel (benchmarks/NOTES.md) */
-    static int minb = -1, stage = -1;
-    if (minb < 0) {
-        const char *e = getenv("FLASHQLA_CUDA_REC_MINB");
-        minb = e ? atoi(e) : FQ_REC_MINB_DEFAULT;
-        e = getenv("FLASHQLA_CUDA_REC_STAGE");
-        stage = e ? atoi(e) : 1;
-    }
-    const int stg = stage == 1 || (stage == 2 && (p->T > 1 || p->cu_seqlens));
-    if (p->K == 128) {
-        if (stg) fq_recurrent_kernel<128, 5, 1><<<(unsigned)blocks, 128, 0, stream>>>(a);
-        else if (minb == 5) fq_recurrent_kernel<128, 5, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
-        else if (minb == 4) fq_recurrent_kernel<128, 4, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
-        else fq_recurrent_kernel<128, 0, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
-    } else {
-        if (stg) fq_recurrent_kernel<64, 0, 1><<<(unsigned)blocks, 128, 0, stream>>>(a);
-        else fq_recurrent_kernel<64, 0, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
-    }
+    if (p->K == 128) fq_recurrent_kernel<128><<<(unsigned)blocks, 128, 0, stream>>>(a);
+    else fq_recurrent_kernel<64><<<(unsigned)blocks, 128, 0, stream>>>(a);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }

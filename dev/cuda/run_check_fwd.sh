@@ -9,12 +9,11 @@
 #
 #   bash dev/cuda/run_check_fwd.sh [full|build|ab]
 #     full (default) as above; build: only compile $B/check_fwd;
-#     ab: A/B timings of the forward's dev switches (FLASHQLA_CUDA_WY_LEAN,
-#     FLASHQLA_CUDA_PDL, FLASHQLA_CUDA_OUT_LEAN, FLASHQLA_CUDA_REC_MINB and
-#     FLASHQLA_CUDA_REC_STAGE (optional, default 2): one process per setting,
-#     `check_fwd time`; the settings are the lines of FQ_AB_CONFIGS, e.g.
-#     $'1 1 1 5\n1 0 1 5 1'), then the
-#     quick check and the tiny memcheck/racecheck runs with the defaults.
+#     ab: A/B timings, one process per line of FQ_AB_CONFIGS (environment
+#     assignments for the library's switches, e.g. $'FLASHQLA_CUDA_PDL=1\n
+#     FLASHQLA_CUDA_PDL=0'; default: one run with the defaults; `check_fwd
+#     time`), then the quick check and the tiny memcheck/racecheck runs with
+#     the defaults.
 #     build/ab reuse $B/check_fwd when it exists.
 set -u
 MODE=${1:-full}
@@ -36,15 +35,13 @@ print_sanitize() {
   return 0
 }
 if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
-  IFS=$'\n' read -r -d '' -a CFGS <<< "${FQ_AB_CONFIGS:-1 1 1 5}"
-  for cfg in "${CFGS[@]}"; do
-    set -- $cfg
-    st=${5:-2}
-    echo "=== FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4 FLASHQLA_CUDA_REC_STAGE=$st"
-    FLASHQLA_CUDA_WY_LEAN=$1 FLASHQLA_CUDA_PDL=$2 FLASHQLA_CUDA_OUT_LEAN=$3 FLASHQLA_CUDA_REC_MINB=$4 \
-      FLASHQLA_CUDA_REC_STAGE=$st timeout 100 $B/check_fwd time > $OUTDIR/ab_$1$2$3$4$st.log 2>&1
-    grep -E "programmatic|recurrent N" $OUTDIR/ab_$1$2$3$4$st.log
-    sed -n "/==== summary/,\$p" $OUTDIR/ab_$1$2$3$4$st.log | grep -E "^[0-9]+/|shape"
+  IFS=$'\n' read -r -d '' -a CFGS <<< "${FQ_AB_CONFIGS:- }"
+  for k in "${!CFGS[@]}"; do
+    cfg=$(echo ${CFGS[$k]})
+    echo "=== ${cfg:-defaults}"
+    env $cfg timeout 100 $B/check_fwd time > $OUTDIR/ab_$k.log 2>&1
+    grep -E "programmatic|recurrent N" $OUTDIR/ab_$k.log
+    sed -n "/==== summary/,\$p" $OUTDIR/ab_$k.log | grep -E "^[0-9]+/|shape"
   done
   echo "=== quick check (defaults)"
   timeout 150 $B/check_fwd quick > $OUTDIR/check_fwd_quick.log 2>&1; rc=$?
