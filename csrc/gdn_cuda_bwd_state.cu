@@ -9,6 +9,7 @@
  * once superseded: see benchmarks/NOTES.md and git history (commit 4599409).
  */
 #include "gdn_cuda_bwd.cuh"
+#include "gdn_cuda_state.cuh"
 
 #include <stdlib.h>
 
@@ -60,23 +61,6 @@ template <int K, int NW, int NS, int KS> struct fq_state3_smem {
     static constexpr int off_x = NS * buf;           /* KS = 2: P exchange */
     static constexpr int bytes = off_x + (KS == 2 ? NW * 2 * 16 * 64 * 4 : 0);
 };
-
-/* Transposed bf16 store (as gdn_cuda_fwd_state.cu): w = bf16x2 (X[v][k],
- * X[v][k+1]) of a fragment whose lane g holds column v = v0 + g goes into
- * out[k][v]; lanes g and g^1 swap words. dst = fq_st3_lane(out) + fragment
- * offset. All 32 lanes call it; `store` false: the shuffle only. */
-static __device__ __forceinline__ void fq_st3_transposed(fq_bf16 *dst, uint32_t w, int g, bool store)
-{
-    uint32_t p = __shfl_xor_sync(0xffffffffu, w, 4);
-    uint32_t x = (g & 1) ? __byte_perm(p, w, 0x7632) : __byte_perm(w, p, 0x5410);
-    if (store) *(uint32_t *)dst = x;
-}
-
-static __device__ __forceinline__ fq_bf16 *fq_st3_lane(fq_bf16 *out, int64_t ld, int lane)
-{
-    const int g = lane >> 2, t = lane & 3;
-    return out + (int64_t)(2 * t + (g & 1)) * ld + (g & ~1);
-}
 
 /* Named barrier 1 + grp over the 64 threads of warp pair grp (immediate ids,
  * so the kernel reserves only the barriers it uses). */
@@ -208,7 +192,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
         float acc[8][4];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        fq_bf16 *sl = fq_st3_lane(a.dsl + tile * K * V + (int64_t)k0 * V + vw, V, lane);
+        fq_bf16 *sl = fq_st_t_lane(a.dsl + tile * K * V + (int64_t)k0 * V + vw, V, lane);
 #pragma unroll
         for (int kk = 0; kk < KW / 16; kk++) {
             uint32_t af[4];
@@ -224,7 +208,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
                 fq_mma_bf16(acc[2 * n2 + 1], af, b[2], b[3]);
             }
 #pragma unroll
-            for (int q = 0; q < 4; q++) fq_st3_transposed(sl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), af[q], g, true);
+            for (int q = 0; q < 4; q++) fq_st_transposed(sl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), af[q], g, true);
             if (more) load_part(lbn, bnext, kk); /* chunk i - (NS - 1), part kk */
         }
         fq_cp_async_commit();
@@ -254,27 +238,16 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
              * __syncthreads, which the partner reaches after its reads. */
             float2 *xo = (float2 *)(smem + SM::off_x) + warp * 512;
             const float2 *xp = (const float2 *)(smem + SM::off_x) + (warp ^ 1) * 512;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                xo[(2 * nt) * 32 + lane] = make_float2(acc[nt][0], acc[nt][1]);
-                xo[(2 * nt + 1) * 32 + lane] = make_float2(acc[nt][2], acc[nt][3]);
-            }
+            fq_pair_put(acc, xo, lane);
             fq_bar_pair(grp); /* the pair only */
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                const float2 p0 = xp[(2 * nt) * 32 + lane], p1 = xp[(2 * nt + 1) * 32 + lane];
-                acc[nt][0] += p0.x;
-                acc[nt][1] += p0.y;
-                acc[nt][2] += p1.x;
-                acc[nt][3] += p1.y;
-            }
+            fq_pair_add(acc, xp, lane);
         }
 
         /* dVn^T = dv_local^T + P diag(kdecay) (uf[q] = dv_local^T[g + 8 (q & 1)]
          * [16 kk + 8 (q >> 1) + 2t, +1] pairs with acc[2 kk + (q >> 1)][2 (q & 1), +1]);
          * dVn out (KS = 2: warp kh stores the k-steps kk with kk % 2 == kh);
          * the update's A operand -dVn^T (rows along the chunk's tokens) */
-        fq_bf16 *vl = fq_st3_lane(a.dvl + tile * 64 * V + vw, V, lane);
+        fq_bf16 *vl = fq_st_t_lane(a.dvl + tile * 64 * V + vw, V, lane);
         uint32_t va[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
@@ -287,34 +260,17 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
                 const float *x = acc[2 * kk + (q >> 1)] + 2 * (q & 1);
                 const float2 u = fq_unpack_bf16(uf[q]), d = (q >> 1) ? d8 : d0;
                 const uint32_t w = fq_pack_bf16(u.x + d.x * x[0], u.y + d.y * x[1]);
-                fq_st3_transposed(vl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), w, g, KS == 1 || (kk & 1) == kh);
+                fq_st_transposed(vl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), w, g, KS == 1 || (kk & 1) == kh);
                 va[kk][q] = w ^ 0x80008000u; /* -dVn^T: bf16 sign flip, exact */
             }
         }
 
         /* dS^T[:, k0..] += (-dVn^T) W[:, k0..] */
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-#pragma unroll
-            for (int n2 = 0; n2 < KW / 16; n2++) {
-                uint32_t b[4];
-                fq_frag_b_kn(b, Wb, LDK, 16 * kk, k0 + 16 * n2);
-                fq_mma_bf16(D[2 * n2], va[kk], b[0], b[1]);
-                fq_mma_bf16(D[2 * n2 + 1], va[kk], b[2], b[3]);
-            }
-        }
+        fq_state_rank_update<KW>(D, va, Wb, LDK, k0);
     }
     fq_cp_async_wait<0>();
 
-    if (a.dh0) {
-#pragma unroll
-        for (int nt = 0; nt < NKT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int k = k0 + 8 * nt + 2 * t + (e & 1), v = vw + g + 8 * (e >> 1);
-                a.dh0[state_off + (int64_t)k * V + v] = D[nt][e];
-            }
-    }
+    if (a.dh0) fq_state_slice_store<NKT>(D, a.dh0, state_off, k0, vw, V, g, t);
 }
 
 template <int K, int NW, int NS, int KS>

@@ -12,7 +12,7 @@
  * trips each chunk) was removed once superseded: see benchmarks/NOTES.md and
  * git history (commit 4599409).
  */
-#include "gdn_cuda_common.cuh"
+#include "gdn_cuda_state.cuh"
 
 struct fq_state_args {
     const fq_seq_info *seqs;
@@ -63,28 +63,6 @@ template <int K, int NW, int NS, int KS> struct fq_state2_smem {
     static constexpr int off_x = NS * buf;                       /* KS = 2: P exchange */
     static constexpr int bytes = off_x + (KS == 2 ? NW * 2 * 16 * 64 * 4 : 0);
 };
-
-/* Transposed bf16 store: w = bf16x2 (X[v][k], X[v][k+1]) of a fragment whose
- * lane g holds column v = v0 + g goes into out[k][v]: lanes g and g^1 swap
- * words; even g stores (X[v][k], X[v+1][k]) at row k, odd g stores
- * (X[v-1][k+1], X[v][k+1]) at row k+1. dst = the lane's address,
- * out + (k + (g & 1)) * ld + v0 + (g & ~1) (fq_st_t_lane gives the part that
- * does not depend on the fragment). All 32 lanes must call it; `store`
- * false: the shuffle only. */
-static __device__ __forceinline__ void fq_st_transposed(fq_bf16 *dst, uint32_t w, int g, bool store = true)
-{
-    uint32_t p = __shfl_xor_sync(0xffffffffu, w, 4); /* always: no shuffle under a branch */
-    uint32_t x = (g & 1) ? __byte_perm(p, w, 0x7632) : __byte_perm(w, p, 0x5410);
-    if (store) *(uint32_t *)dst = x;
-}
-
-/* out + (2t + (g & 1)) * ld + (g & ~1): the lane part of fq_st_transposed's
- * address for fragments whose k = k_frag + 2t */
-static __device__ __forceinline__ fq_bf16 *fq_st_t_lane(fq_bf16 *out, int64_t ld, int lane)
-{
-    int g = lane >> 2, t = lane & 3;
-    return out + (int64_t)(2 * t + (g & 1)) * ld + (g & ~1);
-}
 
 template <int K, int NW, int NS, int KS>
 __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state_args args, int V)
@@ -233,18 +211,9 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
              * next chunk only after the ring's __syncthreads. */
             float2 *xo = (float2 *)(smem + SM::off_x) + warp * 512;
             const float2 *xp = (const float2 *)(smem + SM::off_x) + (warp ^ 1) * 512;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                xo[(2 * nt) * 32 + lane] = make_float2(acc[nt][0], acc[nt][1]);
-                xo[(2 * nt + 1) * 32 + lane] = make_float2(acc[nt][2], acc[nt][3]);
-            }
+            fq_pair_put(acc, xo, lane);
             __syncthreads();
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                float2 p0 = xp[(2 * nt) * 32 + lane], p1 = xp[(2 * nt + 1) * 32 + lane];
-                acc[nt][0] += p0.x; acc[nt][1] += p0.y;
-                acc[nt][2] += p1.x; acc[nt][3] += p1.y;
-            }
+            fq_pair_add(acc, xp, lane);
         }
 
         /* Vn^T = U^T - acc (uf[q] = U^T[g + 8 (q & 1)][16 kk + 8 (q >> 1) + 2t, +1]
@@ -277,28 +246,11 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
         for (int nt = 0; nt < NKT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) S[nt][e] *= dc;
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-#pragma unroll
-            for (int n2 = 0; n2 < KW / 16; n2++) {
-                uint32_t b[4];
-                fq_frag_b_kn(b, Kb, LDK, 16 * kk, k0 + 16 * n2);
-                fq_mma_bf16(S[2 * n2], va[kk], b[0], b[1]);
-                fq_mma_bf16(S[2 * n2 + 1], va[kk], b[2], b[3]);
-            }
-        }
+        fq_state_rank_update<KW>(S, va, Kb, LDK, k0);
     }
     fq_cp_async_wait<0>();
 
-    if (args.ht) {
-#pragma unroll
-        for (int nt = 0; nt < NKT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int k = k0 + 8 * nt + 2 * tq + (e & 1), v = vw + gq + 8 * (e >> 1);
-                args.ht[state_off + (int64_t)k * V + v] = S[nt][e];
-            }
-    }
+    if (args.ht) fq_state_slice_store<NKT>(S, args.ht, state_off, k0, vw, V, gq, tq);
 }
 
 template <int K, int NW, int NS, int KS>
