@@ -208,6 +208,32 @@ static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float
     }
 }
 
+/* The end of one item (tile = (chunk * HV + j) * 64, 128 threads): the bf16 A
+ * for the backward when args.a is set, zeros above the diagonal (those
+ * blocks of Af were never written), and gamma, kdecay for stage B. */
+static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64_t tile, const float *Af,
+                                                   const float *gam, const float *rkv, int len, int tid)
+{
+    constexpr int LDF = FQ_WY2_LDF;
+    if (args.a) {
+        fq_bf16 *ag = args.a + tile * 64;
+        for (int idx = tid; idx < 64 * 8; idx += 128) {
+            int r = idx >> 3, c = (idx & 7) * 8;
+            float4 x0 = *(const float4 *)(Af + r * LDF + c), x1 = *(const float4 *)(Af + r * LDF + c + 4);
+            float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            uint32_t pk[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                pk[e] = fq_pack_bf16(c + 2 * e <= r ? xs[2 * e] : 0.f, c + 2 * e + 1 <= r ? xs[2 * e + 1] : 0.f);
+            *(uint4 *)(ag + r * 64 + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        }
+    }
+    if (tid < 64) {
+        args.gamma[tile + tid] = gam[tid];
+        args.kdecay[tile + tid] = tid < len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
+    }
+}
+
 template <int K, int V>
 __global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
 {
@@ -327,25 +353,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
     fq_cp_async_wait<0>();
     __syncthreads();
     fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
-    if (args.a) {
-        /* bf16 A for the backward, zeros above the diagonal (those blocks of
-         * Af were never written) */
-        fq_bf16 *ag = args.a + (int64_t)blockIdx.x * 64 * 64;
-        for (int idx = tid; idx < 64 * 8; idx += 128) {
-            int r = idx >> 3, c = (idx & 7) * 8;
-            float4 x0 = *(const float4 *)(Af + r * LDF + c), x1 = *(const float4 *)(Af + r * LDF + c + 4);
-            float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-            uint32_t pk[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                pk[e] = fq_pack_bf16(c + 2 * e <= r ? xs[2 * e] : 0.f, c + 2 * e + 1 <= r ? xs[2 * e + 1] : 0.f);
-            *(uint4 *)(ag + r * 64 + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-        }
-    }
-    if (tid < 64) {
-        args.gamma[tile + tid] = gam[tid];
-        args.kdecay[tile + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
-    }
+    fq_wy_store(args, tile, Af, gam, rkv, ci.len, tid);
 }
 
 /* The kernels' arguments, the same for v2 and v3. */
@@ -608,23 +616,7 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
             const int64_t tile = it * 64; /* (chunk * HV + j) * 64 */
             fq_wy2_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
             fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
-            if (args.a) {
-                fq_bf16 *ag = args.a + tile * 64;
-                for (int idx = tid; idx < 64 * 8; idx += 128) {
-                    int r = idx >> 3, c = (idx & 7) * 8;
-                    float4 x0 = *(const float4 *)(Af + r * LDF + c), x1 = *(const float4 *)(Af + r * LDF + c + 4);
-                    float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                    uint32_t pk[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        pk[e] = fq_pack_bf16(c + 2 * e <= r ? xs[2 * e] : 0.f, c + 2 * e + 1 <= r ? xs[2 * e + 1] : 0.f);
-                    *(uint4 *)(ag + r * 64 + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
-                }
-            }
-            if (tid < 64) {
-                args.gamma[tile + tid] = gam[tid];
-                args.kdecay[tile + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
-            }
+            fq_wy_store(args, tile, Af, gam, rkv, ci.len, tid);
         }
         ci = cn;
         cn = cnn;
