@@ -193,19 +193,15 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     return FQ_OK;
 }
 
+static fq_status fq_chunk_bwd_on_device(const fq_gdn_params *p)
+{
+    return fq_cuda_bwd_run(p, NULL);
+}
+
 extern "C" fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p)
 {
     fq_status st = fq_check_params_device(p, 'b');
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
-    int prev = 0;
-    FQ_CUDA_CHECK(cudaGetDevice(&prev));
-    if (prev != p->device) FQ_CUDA_CHECK(cudaSetDevice(p->device));
-    st = fq_cuda_bwd_run(p, NULL);
-    if (prev != p->device) {
-        cudaError_t e = cudaSetDevice(prev);
-        if (st == FQ_OK && e != cudaSuccess)
-            st = fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__, cudaGetErrorString(e));
-    }
-    return st;
+    return fq_cuda_on_device(p, fq_chunk_bwd_on_device);
 }

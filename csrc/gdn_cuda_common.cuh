@@ -285,6 +285,10 @@ fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaSt
 fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, cudaStream_t stream);
 fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int64_t n, cudaStream_t stream);
 
+/* fn(p) with p->device current, the caller's device restored after: the
+ * body of the entry points fq_cuda_chunk_fwd / _bwd / fq_cuda_recurrent. */
+fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(const fq_gdn_params *p));
+
 /* Raises a kernel's dynamic shared-memory limit (idempotent, cheap after the
  * first call per device). */
 fq_status fq_cuda_set_smem(const void *kernel, int bytes);

@@ -344,6 +344,22 @@ extern "C" fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws 
 
 /* -------------------------------------------------------- entry points ---- */
 
+/* fn(p) with p->device current; the caller's device is restored after (a
+ * failure to restore it is reported unless fn failed first). */
+extern "C" fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(const fq_gdn_params *p))
+{
+    int prev = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&prev));
+    if (prev != p->device) FQ_CUDA_CHECK(cudaSetDevice(p->device));
+    fq_status st = fn(p);
+    if (prev != p->device) {
+        cudaError_t e = cudaSetDevice(prev);
+        if (st == FQ_OK && e != cudaSuccess)
+            st = fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__, cudaGetErrorString(e));
+    }
+    return st;
+}
+
 extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
 {
     return fq_cuda_fwd_ws_layout(p, NULL, NULL);
@@ -376,14 +392,5 @@ extern "C" fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p)
     fq_status st = fq_check_params_device(p, 'f');
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
-    int prev = 0;
-    FQ_CUDA_CHECK(cudaGetDevice(&prev));
-    if (prev != p->device) FQ_CUDA_CHECK(cudaSetDevice(p->device));
-    st = fq_chunk_fwd_on_device(p);
-    if (prev != p->device) {
-        cudaError_t e = cudaSetDevice(prev);
-        if (st == FQ_OK && e != cudaSuccess)
-            st = fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__, cudaGetErrorString(e));
-    }
-    return st;
+    return fq_cuda_on_device(p, fq_chunk_fwd_on_device);
 }

@@ -328,14 +328,5 @@ extern "C" fq_status fq_cuda_recurrent(const fq_gdn_params *p)
         (((uintptr_t)p->o) & 7))
         return fq_fail(FQ_ERR_VALUE,
                        "q, k, v, state, o: CUDA buffers must be 16-byte aligned (o: 8-byte)");
-    int prev = 0;
-    FQ_CUDA_CHECK(cudaGetDevice(&prev));
-    if (prev != p->device) FQ_CUDA_CHECK(cudaSetDevice(p->device));
-    st = fq_recurrent_on_device(p);
-    if (prev != p->device) {
-        cudaError_t e = cudaSetDevice(prev);
-        if (st == FQ_OK && e != cudaSuccess)
-            st = fq_fail(FQ_ERR_CUDA, "%s:%d: %s", __FILE__, __LINE__, cudaGetErrorString(e));
-    }
-    return st;
+    return fq_cuda_on_device(p, fq_recurrent_on_device);
 }
