@@ -790,13 +790,9 @@ class Bench:
                 r["errors"]["flashqla"] = self.note_error(e)
                 if self.args.verbose:
                     traceback.print_exc()
-        elif self.ctx_dead:
-            r["errors"]["flashqla"] = "skipped: CUDA context lost earlier (%s)" % self.ctx_dead
         else:
-            r["errors"]["flashqla"] = self.fq_error or "flashqla not available"
-        r["check"] = check
-        self.derive(r)
-        return r
+            r["errors"]["flashqla"] = self.fq_unavailable()
+        return self.finish_row(r, check)
 
     # ---- one decode row ----
     def run_decode_row(self, spec, warmup_only=False):
@@ -836,10 +832,17 @@ class Bench:
                 r["flashqla_ms"], r["flashqla_ms_min"], r["flashqla_timing"] = tm["ms"], tm["ms_min"], tm["method"]
             except Exception as e:
                 r["errors"]["flashqla"] = self.note_error(e)
-        elif self.ctx_dead:
-            r["errors"]["flashqla"] = "skipped: CUDA context lost earlier (%s)" % self.ctx_dead
         else:
-            r["errors"]["flashqla"] = self.fq_error or "flashqla not available"
+            r["errors"]["flashqla"] = self.fq_unavailable()
+        return self.finish_row(r, check)
+
+    def fq_unavailable(self):
+        """Why a row has no flashqla time: the CUDA context was lost, or flashqla is not usable."""
+        if self.ctx_dead:
+            return "skipped: CUDA context lost earlier (%s)" % self.ctx_dead
+        return self.fq_error or "flashqla not available"
+
+    def finish_row(self, r, check):
         r["check"] = check
         self.derive(r)
         return r

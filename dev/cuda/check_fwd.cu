@@ -244,6 +244,17 @@ static Dev upload(const Problem &pb, int cu64, size_t ws_bytes)
     return d;
 }
 
+/* upload() with the chunked forward's workspace, and p filled for it */
+static Dev upload_chunk(const Problem &pb, int cu64, fq_gdn_params *p)
+{
+    Dev d0;
+    memset(&d0, 0, sizeof d0);
+    fill_params(pb, d0, p, cu64); /* sizes only: the workspace size */
+    Dev d = upload(pb, cu64, fq_cuda_chunk_fwd_workspace_bytes(p));
+    fill_params(pb, d, p, cu64);
+    return d;
+}
+
 static void free_dev(Dev &d)
 {
     cudaFree(d.q); cudaFree(d.k); cudaFree(d.v); cudaFree(d.g); cudaFree(d.beta);
@@ -303,12 +314,7 @@ static void check_chunk(const char *name, Problem pb, double amax, int cu64 = 0,
 {
     make_inputs(pb, amax);
     fq_gdn_params p;
-    Dev d0;
-    memset(&d0, 0, sizeof d0);
-    fill_params(pb, d0, &p, cu64);
-    size_t wsb = fq_cuda_chunk_fwd_workspace_bytes(&p);
-    Dev d = upload(pb, cu64, wsb);
-    fill_params(pb, d, &p, cu64);
+    Dev d = upload_chunk(pb, cu64, &p);
     size_t no = (size_t)pb.B * pb.T * pb.HV * pb.V;
     std::vector<double> oref, sref(pb.h0.begin(), pb.h0.end());
     reference(pb, oref, sref);
@@ -342,11 +348,7 @@ static void check_invalid_cu(void)
     pb.cu = {0, 40, 20, 100};
     make_inputs(pb, 1.0);
     fq_gdn_params p;
-    Dev d0;
-    memset(&d0, 0, sizeof d0);
-    fill_params(pb, d0, &p, 0);
-    Dev d = upload(pb, 0, fq_cuda_chunk_fwd_workspace_bytes(&p));
-    fill_params(pb, d, &p, 0);
+    Dev d = upload_chunk(pb, 0, &p);
     size_t no = (size_t)pb.T * pb.HV * pb.V;
     CK(cudaMemset(d.o, 0, no * 2));
     CK(cudaMemset(d.ht, 0, pb.h0.size() * 4));
@@ -598,11 +600,7 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
         for (int i = 0; i <= nseq; i++) pb.cu.push_back((int64_t)i * len);
     make_inputs(pb, 4.0);
     fq_gdn_params p;
-    Dev d0;
-    memset(&d0, 0, sizeof d0);
-    fill_params(pb, d0, &p, 0);
-    Dev d = upload(pb, 0, fq_cuda_chunk_fwd_workspace_bytes(&p));
-    fill_params(pb, d, &p, 0);
+    Dev d = upload_chunk(pb, 0, &p);
     fq_fwd_ws ws;
     fq_cuda_fwd_ws_layout(&p, d.ws, &ws);
     TimeRow r;
