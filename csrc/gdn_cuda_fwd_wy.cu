@@ -179,6 +179,46 @@ static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf,
     }
 }
 
+/* One warp: the gates g, beta and inverse key norms rk of the chunk's tokens
+ * lane and lane + 32 (zeros past the chunk, or for no chunk: ci.seq < 0). */
+static __device__ __forceinline__ void fq_wy_gates(const fq_wy_args &args, fq_chunk_info ci, int j, float gv[2],
+                                                    float bv[2], float rv[2])
+{
+    const int lane = threadIdx.x & 31, hq = j / (args.HV / args.H);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = lane + 32 * h;
+        gv[h] = bv[h] = rv[h] = 0.f;
+        if (ci.seq >= 0 && r < ci.len) {
+            int64_t gi = (int64_t)(ci.row0 + r) * args.HV + j;
+            gv[h] = fq_ld_f(args.g, args.gate_dtype, gi);
+            bv[h] = fq_ld_f(args.beta, args.gate_dtype, gi);
+            rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
+        }
+    }
+}
+
+/* gamma = cumsum(g) over the chunk (one warp: tokens lane and lane + 32), and
+ * the vectors beta, rk and the W column factors fw = beta e^gamma rk into
+ * shared memory, from the gates of fq_wy_gates. */
+static __device__ __forceinline__ void fq_wy_gate_scan(float gv[2], const float bv[2], const float rv[2], float *gam,
+                                                       float *bet, float *rkv, float *fw, int lane)
+{
+    for (int o = 1; o < 32; o <<= 1) {
+        float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
+        if (lane >= o) { gv[0] += y0; gv[1] += y1; }
+    }
+    gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = lane + 32 * h;
+        gam[r] = gv[h];
+        bet[r] = bv[h];
+        rkv[r] = rv[h];
+        fw[r] = bv[h] * __expf(gv[h]) * rv[h];
+    }
+}
+
 /* D_w = (I + L_ww)^-1, the inverse of warp w's diagonal block: lane -> column
  * c = lane % 16 (lanes 16..31 repeat lanes 0..15),
  * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c]; written to Af's block (w, w). */
@@ -280,6 +320,8 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
     /* gamma = cumsum(g) (one warp: tokens lane and lane + 32), beta, rk and
      * the W column factors fw = beta e^gamma rk */
     if (warp == 0) {
+        /* the loads of fq_wy_gates, written out: through it (its ci.seq
+         * test, its own hq) this kernel compiled to different code */
         float gv[2], bv[2], rv[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -292,19 +334,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
                 rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
             }
         }
-        for (int o = 1; o < 32; o <<= 1) {
-            float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
-            if (lane >= o) { gv[0] += y0; gv[1] += y1; }
-        }
-        gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int r = lane + 32 * h;
-            gam[r] = gv[h];
-            bet[r] = bv[h];
-            rkv[r] = rv[h];
-            fw[r] = bv[h] * __expf(gv[h]) * rv[h];
-        }
+        fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
     }
     fq_cp_async_wait<0>();
     __syncthreads();
@@ -480,23 +510,6 @@ static __device__ __forceinline__ void fq_wy3_issue(const fq_wy_args &args, fq_c
 
 /* g, beta, rk of tokens lane and lane + 32 of chunk ci (zeros past len, or
  * everywhere when ci.seq < 0), into registers; warp 0 only. */
-static __device__ __forceinline__ void fq_wy3_gates(const fq_wy_args &args, fq_chunk_info ci, int j, float gv[2],
-                                                    float bv[2], float rv[2])
-{
-    const int lane = threadIdx.x & 31, hq = j / (args.HV / args.H);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int r = lane + 32 * h;
-        gv[h] = bv[h] = rv[h] = 0.f;
-        if (ci.seq >= 0 && r < ci.len) {
-            int64_t gi = (int64_t)(ci.row0 + r) * args.HV + j;
-            gv[h] = fq_ld_f(args.g, args.gate_dtype, gi);
-            bv[h] = fq_ld_f(args.beta, args.gate_dtype, gi);
-            rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
-        }
-    }
-}
-
 static __device__ __forceinline__ fq_chunk_info fq_wy3_chunk(const fq_wy_args &args, int64_t it, int64_t items)
 {
     fq_chunk_info ci;
@@ -534,7 +547,7 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
         fq_wy3_issue<K, V>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
-    if (warp == 0) fq_wy3_gates(args, ci, (int)(it % HV), gv, bv, rv);
+    if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
 
 #pragma unroll 1
     for (int buf = 0; it < items; it += stride, buf ^= 1) {
@@ -552,20 +565,8 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
         /* gamma = cumsum(g) (warp 0: tokens lane and lane + 32), beta, rk and
          * the W column factors fw = beta e^gamma rk; then the next item's gates */
         if (warp == 0) {
-            for (int o = 1; o < 32; o <<= 1) {
-                float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
-                if (lane >= o) { gv[0] += y0; gv[1] += y1; }
-            }
-            gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int r = lane + 32 * h;
-                gam[r] = gv[h];
-                bet[r] = bv[h];
-                rkv[r] = rv[h];
-                fw[r] = bv[h] * __expf(gv[h]) * rv[h];
-            }
-            fq_wy3_gates(args, cn, (int)(nit % HV), gv, bv, rv);
+            fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
+            fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
         }
         fq_cp_async_wait<1>(); /* this item's group (all but the newest) */
         __syncthreads();
