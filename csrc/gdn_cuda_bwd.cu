@@ -115,13 +115,10 @@ extern "C" size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p)
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 {
     cudaStream_t stream = (cudaStream_t)p->stream;
-    const size_t need = fq_bwd_ws_layout(p, NULL, NULL);
-    if (!p->workspace || p->workspace_bytes < need)
-        return fq_fail(FQ_ERR_VALUE, "workspace: expected at least %zu bytes, got %zu", need,
-                       p->workspace ? p->workspace_bytes : (size_t)0);
+    fq_status st = fq_cuda_check_workspace(p, fq_bwd_ws_layout(p, NULL, NULL));
+    if (st != FQ_OK) return st;
     fq_bwd_ws ws;
     fq_bwd_ws_layout(p, p->workspace, &ws);
-    fq_status st;
     /* 0-2. recompute the forward's chunk table, gamma, A, W, U, h, Vn */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, stream)) != FQ_OK) return st;

@@ -52,6 +52,16 @@
 /* After every kernel launch. */
 #define FQ_CUDA_CHECK_LAUNCH() FQ_CUDA_CHECK(cudaGetLastError())
 
+/* FQ_OK when the caller's workspace holds at least `need` bytes, else a
+ * failure that says how many it needs. */
+static inline fq_status fq_cuda_check_workspace(const fq_gdn_params *p, size_t need)
+{
+    if (!p->workspace || p->workspace_bytes < need)
+        return fq_fail(FQ_ERR_VALUE, "workspace: expected at least %zu bytes, got %zu", need,
+                       p->workspace ? p->workspace_bytes : (size_t)0);
+    return FQ_OK;
+}
+
 /* The stage launchers' fallthrough after their K, V template dispatch. The
  * entry points refuse other head dims first (fq_cuda_fwd_check_sizes), so
  * this is only reached by a caller that skipped that check. */

@@ -368,13 +368,10 @@ extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
 static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *p)
 {
     cudaStream_t stream = (cudaStream_t)p->stream;
-    size_t need = fq_cuda_fwd_ws_layout(p, NULL, NULL);
-    if (!p->workspace || p->workspace_bytes < need)
-        return fq_fail(FQ_ERR_VALUE, "workspace: expected at least %zu bytes, got %zu", need,
-                       p->workspace ? p->workspace_bytes : (size_t)0);
+    fq_status st = fq_cuda_check_workspace(p, fq_cuda_fwd_ws_layout(p, NULL, NULL));
+    if (st != FQ_OK) return st;
     fq_fwd_ws ws;
     fq_cuda_fwd_ws_layout(p, p->workspace, &ws);
-    fq_status st;
     /* 0. chunk table, bf16 copies, inverse norms */
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
     /* A. gamma, A = (I+L)^-1, W, U per chunk */

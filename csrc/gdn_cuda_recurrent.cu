@@ -303,9 +303,8 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     a.l2norm = p->use_qk_l2norm;
     a.scale = (float)p->scale;
     if (p->cu_seqlens) {
-        if (!p->workspace || p->workspace_bytes < FQ_REC_WS)
-            return fq_fail(FQ_ERR_VALUE, "workspace: expected at least %d bytes, got %zu", FQ_REC_WS,
-                           p->workspace ? p->workspace_bytes : (size_t)0);
+        fq_status st = fq_cuda_check_workspace(p, FQ_REC_WS);
+        if (st != FQ_OK) return st;
         a.flags = (const int *)p->workspace;
         fq_rec_validate_kernel<<<1, 256, 0, stream>>>(p->cu_seqlens, p->cu_seqlens_is_int64, p->N, p->T,
                                                       (int *)p->workspace);
