@@ -490,20 +490,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy2_kernel(fq_bwd_args a)
  * per kernel and device). */
 static fq_status fq_bwd_carveout(const void *fn)
 {
-    static const void *done_fn[32];
-    static int done_dev[32];
-    int dev = 0;
-    FQ_CUDA_CHECK(cudaGetDevice(&dev));
-    for (int i = 0; i < 32; i++)
-        if (done_fn[i] == fn && done_dev[i] == dev) return FQ_OK;
-    FQ_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    for (int i = 0; i < 32; i++)
-        if (!done_fn[i]) {
-            done_fn[i] = fn;
-            done_dev[i] = dev;
-            break;
-        }
-    return FQ_OK;
+    return fq_cuda_func_attr(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
 }
 
 /* ===================================================== bwd_local2 ==== */

@@ -299,6 +299,9 @@ fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int6
  * body of the entry points fq_cuda_chunk_fwd / _bwd / fq_cuda_recurrent. */
 fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(const fq_gdn_params *p));
 
+/* cudaFuncSetAttribute(kernel, attr, value), remembered per (kernel, device,
+ * attribute): repeated calls are cheap. */
+fq_status fq_cuda_func_attr(const void *kernel, cudaFuncAttribute attr, int value);
 /* Raises a kernel's dynamic shared-memory limit (idempotent, cheap after the
  * first call per device). */
 fq_status fq_cuda_set_smem(const void *kernel, int bytes);

@@ -13,30 +13,43 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------ smem attribute ---- */
+/* --------------------------------------------------- kernel attributes ---- */
 
-/* cudaFuncSetAttribute once per (kernel, device); the table is tiny and a
- * repeated call is harmless, so a lost race costs nothing. */
-extern "C" fq_status fq_cuda_set_smem(const void *kernel, int bytes)
+/* cudaFuncSetAttribute(kernel, attr, value) once per (kernel, device,
+ * attribute): a later call asking for at most the value set is free. The
+ * table is small and a repeated call is harmless, so a lost race (two
+ * threads) or a full table costs only a repeated call. */
+extern "C" fq_status fq_cuda_func_attr(const void *kernel, cudaFuncAttribute attr, int value)
 {
-    static const void *done_kernel[128];
-    static int done_dev[128];
-    static int done_bytes[128];
+    enum { N = 256 };
+    static struct {
+        const void *kernel;
+        int dev, attr, value;
+    } done[N];
     int dev = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
-    for (int i = 0; i < 128; i++)
-        if (done_kernel[i] == kernel && done_dev[i] == dev && done_bytes[i] >= bytes) return FQ_OK;
-    if (bytes > 48 * 1024)
-        FQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    for (int i = 0; i < 128; i++) {
-        if (done_kernel[i] == NULL || (done_kernel[i] == kernel && done_dev[i] == dev)) {
-            done_kernel[i] = kernel;
-            done_dev[i] = dev;
-            done_bytes[i] = bytes;
+    for (int i = 0; i < N; i++)
+        if (done[i].kernel == kernel && done[i].dev == dev && done[i].attr == (int)attr && done[i].value >= value)
+            return FQ_OK;
+    FQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, attr, value));
+    for (int i = 0; i < N; i++) {
+        if (done[i].kernel == NULL ||
+            (done[i].kernel == kernel && done[i].dev == dev && done[i].attr == (int)attr)) {
+            done[i].kernel = kernel;
+            done[i].dev = dev;
+            done[i].attr = (int)attr;
+            done[i].value = value;
             break;
         }
     }
     return FQ_OK;
+}
+
+/* The dynamic shared-memory limit, raised past the default 48 KB when asked. */
+extern "C" fq_status fq_cuda_set_smem(const void *kernel, int bytes)
+{
+    if (bytes <= 48 * 1024) return FQ_OK;
+    return fq_cuda_func_attr(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
 /* ------------------------------------- programmatic dependent launch ---- */
