@@ -1,10 +1,13 @@
 """Build of flashqla's extension module flashqla._C.
 
-C (C11): every csrc/*.c, except csrc/gdn_cuda_stub.c when CUDA is built.
+Sources, one folder per layer (DESIGN §4): csrc/gdn.h + csrc/gdn_common.c (the C
+API), csrc/cpu/ (CPU backend), csrc/cuda/ (CUDA backend), csrc/python/ (the CPython
+binding).
+C (C11): every csrc/**/*.c, except csrc/cuda/gdn_cuda_stub.c when CUDA is built.
 CUDA: when nvcc is found (CUDA_HOME/bin, CUDA_PATH/bin, or PATH) and
-FLASHQLA_NO_CUDA is not set, every csrc/*.cu is compiled with nvcc (in
+FLASHQLA_NO_CUDA is not set, every csrc/cuda/*.cu is compiled with nvcc (in
 parallel across files) and linked with the static CUDA runtime; otherwise
-csrc/gdn_cuda_stub.c stands in and the build is CPU-only.
+csrc/cuda/gdn_cuda_stub.c stands in and the build is CPU-only.
 
 Environment:
     FLASHQLA_NO_CUDA=1            CPU-only build even where nvcc exists
@@ -76,12 +79,13 @@ def newer_than(target, sources):
 
 
 CUDA_ROOT, NVCC = find_cuda()
-C_SOURCES = sorted(glob(os.path.join(CSRC, "*.c")))
-CU_SOURCES = sorted(glob(os.path.join(CSRC, "*.cu"))) if NVCC else []
-STUB = os.path.join(CSRC, "gdn_cuda_stub.c")
+C_SOURCES = sorted(glob(os.path.join(CSRC, "**", "*.c"), recursive=True))
+CU_SOURCES = sorted(glob(os.path.join(CSRC, "cuda", "*.cu"))) if NVCC else []
+STUB = os.path.join(CSRC, "cuda", "gdn_cuda_stub.c")
 if NVCC:
     C_SOURCES = [s for s in C_SOURCES if os.path.normpath(s) != os.path.normpath(STUB)]
-HEADERS = sorted(glob(os.path.join(CSRC, "*.h")) + glob(os.path.join(CSRC, "*.cuh")))
+HEADERS = sorted(glob(os.path.join(CSRC, "**", "*.h"), recursive=True)
+                 + glob(os.path.join(CSRC, "**", "*.cuh"), recursive=True))
 
 
 class BuildExt(build_ext):

@@ -5,8 +5,8 @@
  * Build and run from the repository root (TEAM.md flags):
  *
  *   cc -std=c11 -O3 -march=native -fno-math-errno -ffp-contract=fast -pthread \
- *      -I csrc benchmarks/bench_cpu.c csrc/gdn_common.c csrc/gdn_cpu_common.c \
- *      csrc/gdn_cpu_fwd.c csrc/gdn_cpu_recurrent.c -lm -o /tmp/bench_cpu
+ *      -I csrc benchmarks/bench_cpu.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c \
+ *      csrc/cpu/gdn_cpu_fwd.c csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/bench_cpu
  *   /tmp/bench_cpu [results-dir]     (default benchmarks/results)
  *
  * (or `make -C benchmarks bench_cpu`). Measures, fp32, K = V = 128:
@@ -21,7 +21,7 @@
  * <results-dir>/cpu_<YYYY-MM-DD>.json.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "gdn_cpu.h"
+#include "cpu/gdn_cpu.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -1,4 +1,4 @@
-"""Binding-level tests of flashqla._C (csrc/module.c).
+"""Binding-level tests of flashqla._C (csrc/python/module.c).
 
 What is checked here is the binding, not the numbers: DLPack capsules
 (versioned and legacy, raw or from __dlpack__), ownership (capsules renamed

@@ -9,7 +9,7 @@ What it checks (DESIGN.md §1, §2):
   (c) the same backward against torch.autograd through the float64 recurrence
       (q/k l2-normalisation included when use_qk_l2norm is set).
 
-The chunked backward below is the one csrc/gdn_cpu_bwd.c implements (same
+The chunked backward below is the one csrc/cpu/gdn_cpu_bwd.c implements (same
 names, same equations; the C keeps W and Kb negated and reuses pass 1's Vn);
 its equations are repeated at the top of that file. Both avoid two
 cancellations that ruin dg under strong decay (see the comments at E and t).

@@ -3,5 +3,5 @@
 set -e
 cd "$(dirname "$0")/../.."
 cc -std=c11 -O3 -march=native -fno-math-errno -ffp-contract=fast -pthread -Wall -Wextra "$@" \
-   -I csrc dev/cpu/check_cpu.c csrc/gdn_common.c csrc/gdn_cpu_common.c csrc/gdn_cpu_fwd.c \
-   csrc/gdn_cpu_recurrent.c -lm -o /tmp/check_cpu
+   -I csrc dev/cpu/check_cpu.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c csrc/cpu/gdn_cpu_fwd.c \
+   csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/check_cpu

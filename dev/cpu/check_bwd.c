@@ -4,8 +4,8 @@
  * realistic inputs (DESIGN §3), with every output poisoned (NaN) first.
  *
  *   gcc -std=c11 -O2 -march=native -fno-math-errno -ffp-contract=fast -pthread \
- *       -I csrc dev/cpu/check_bwd.c csrc/gdn_common.c csrc/gdn_cpu_common.c \
- *       csrc/gdn_cpu_bwd.c [csrc/gdn_cpu_fwd.c] -lm -o /tmp/check_bwd
+ *       -I csrc dev/cpu/check_bwd.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c \
+ *       csrc/cpu/gdn_cpu_bwd.c [csrc/cpu/gdn_cpu_fwd.c] -lm -o /tmp/check_bwd
  *   /tmp/check_bwd            all cases; exit status 1 on any failure
  *   /tmp/check_bwd --small    a few small cases (for valgrind)
  *   /tmp/check_bwd --bench    time backward (and forward if linked) at K=V=128
@@ -15,7 +15,7 @@
  */
 #define _POSIX_C_SOURCE 199309L
 #include "gdn.h"
-#include "gdn_cpu.h"
+#include "cpu/gdn_cpu.h"
 
 #include <math.h>
 #include <stdio.h>

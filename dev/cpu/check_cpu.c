@@ -3,8 +3,8 @@
  * against a float64 token-by-token reference of DESIGN §1 (no Python).
  *
  *   cc -std=c11 -O2 -march=native -fno-math-errno -ffp-contract=fast -pthread \
- *      -I csrc dev/cpu/check_cpu.c csrc/gdn_common.c csrc/gdn_cpu_common.c \
- *      csrc/gdn_cpu_fwd.c csrc/gdn_cpu_recurrent.c -lm -o /tmp/check_cpu
+ *      -I csrc dev/cpu/check_cpu.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c \
+ *      csrc/cpu/gdn_cpu_fwd.c csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/check_cpu
  *   /tmp/check_cpu          (all cases)     /tmp/check_cpu small   (valgrind-sized)
  *
  * valgrind has no AVX-512: build with -march=x86-64-v3 (portable kernels) and run
@@ -14,7 +14,7 @@
  * Outputs are NaN-poisoned before each call; rel = ||out - ref||_2 / ||ref||_2;
  * NaN/Inf never passes. Exit status 1 if any case fails.
  */
-#include "gdn_cpu.h"
+#include "cpu/gdn_cpu.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -1,10 +1,10 @@
 /* prof_fwd.c — single-thread CPU-time of the chunked forward / recurrent
  * (process CPU time, so a busy machine distorts less than wall time).
  * cc -std=c11 -O3 -march=native -fno-math-errno -ffp-contract=fast -pthread -I csrc \
- *    dev/cpu/prof_fwd.c csrc/gdn_common.c csrc/gdn_cpu_common.c csrc/gdn_cpu_fwd.c \
- *    csrc/gdn_cpu_recurrent.c -lm -o /tmp/prof_fwd */
+ *    dev/cpu/prof_fwd.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c csrc/cpu/gdn_cpu_fwd.c \
+ *    csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/prof_fwd */
 #define _POSIX_C_SOURCE 200809L
-#include "gdn_cpu.h"
+#include "cpu/gdn_cpu.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>

@@ -1,13 +1,13 @@
 /*
  * check_bwd.cu — standalone check and timing of the CUDA chunked backward
- * (csrc/gdn_cuda_bwd.cu) against a float64 token-by-token reference
+ * (csrc/cuda/gdn_cuda_bwd.cu) against a float64 token-by-token reference
  * (forward recurrence of DESIGN §1 + reverse mode through it, BPTT with a
  * checkpoint every 64 tokens). Build (repository root):
  *
  *   gcc -std=c11 -O2 -c csrc/gdn_common.c -o /tmp/gdn_common.o
  *   nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Xcompiler -fopenmp \
  *        -gencode arch=compute_90a,code=sm_90a -Icsrc dev/cuda/check_bwd.cu \
- *        csrc/gdn_cuda_bwd*.cu csrc/gdn_cuda_fwd*.cu /tmp/gdn_common.o \
+ *        csrc/cuda/gdn_cuda_bwd*.cu csrc/cuda/gdn_cuda_fwd*.cu /tmp/gdn_common.o \
  *        -o /tmp/check_bwd -lgomp
  *   /tmp/check_bwd          (all checks, then timing)
  *   /tmp/check_bwd time     (timing only)

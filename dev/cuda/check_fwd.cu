@@ -8,8 +8,8 @@
  *   gcc -std=c11 -O2 -c csrc/gdn_common.c -o /tmp/gdn_common.o && \
  *   nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc \
  *        -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80 \
- *        -o /tmp/check_fwd dev/cuda/check_fwd.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu \
- *        csrc/gdn_cuda_fwd_state.cu csrc/gdn_cuda_fwd_output.cu csrc/gdn_cuda_recurrent.cu \
+ *        -o /tmp/check_fwd dev/cuda/check_fwd.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu \
+ *        csrc/cuda/gdn_cuda_fwd_state.cu csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_recurrent.cu \
  *        /tmp/gdn_common.o && /tmp/check_fwd
  *
  * The main shapes run each stage B configuration explicitly (bvNN: state
@@ -39,7 +39,7 @@
 #include <algorithm>
 
 #include "gdn.h"
-#include "gdn_cuda_common.cuh"
+#include "cuda/gdn_cuda_common.cuh"
 #include "check_common.h"
 
 static int g_fail = 0;

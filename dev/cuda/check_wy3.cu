@@ -8,8 +8,8 @@
  * Build and run from the repo root on the GPU machine:
  *   B=/tmp/fqwy3; mkdir -p $B; gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o
  *   nvcc -std=c++17 -O3 --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a \
- *     -o $B/check_wy3 dev/cuda/check_wy3.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu \
- *     csrc/gdn_cuda_fwd_state.cu csrc/gdn_cuda_fwd_output.cu csrc/gdn_cuda_recurrent.cu $B/gdn_common.o
+ *     -o $B/check_wy3 dev/cuda/check_wy3.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu \
+ *     csrc/cuda/gdn_cuda_fwd_state.cu csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_recurrent.cu $B/gdn_common.o
  *   $B/check_wy3          # exit 0: all ok
  */
 #include <stdio.h>
@@ -19,7 +19,7 @@
 #include <vector>
 #include <algorithm>
 
-#include "gdn_cuda_common.cuh"
+#include "cuda/gdn_cuda_common.cuh"
 #include "check_common.h"
 
 

@@ -1,6 +1,6 @@
 """
 derive_bwd_check.py -- float64 check of the chunked GDN backward that the CUDA
-backend (csrc/gdn_cuda_bwd.cu) implements, stage by stage, against torch
+backend (csrc/cuda/gdn_cuda_bwd.cu) implements, stage by stage, against torch
 autograd through the plain token-by-token recurrence (DESIGN.md §1).
 
     /tmp/venv/bin/python dev/cuda/derive_bwd_check.py

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Build and run dev/cuda/check_bwd.cu on a GPU machine (from the repo root):
-# correctness of the CUDA backward (csrc/gdn_cuda_bwd.cu) against the float64
+# correctness of the CUDA backward (csrc/cuda/gdn_cuda_bwd.cu) against the float64
 # reference and timings of the ANCHORS.md backward rows, with a summary
 # table; then the small cases with each configuration of the reverse state
 # pass forced (FLASHQLA_CUDA_BWD_STATE); then compute-sanitizer memcheck and
@@ -12,7 +12,7 @@ T0=$(date +%s)
 NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a"
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
-SRCS="dev/cuda/check_bwd.cu $(ls csrc/gdn_cuda_bwd*.cu csrc/gdn_cuda_fwd*.cu)"
+SRCS="dev/cuda/check_bwd.cu $(ls csrc/cuda/gdn_cuda_bwd*.cu csrc/cuda/gdn_cuda_fwd*.cu)"
 for f in $SRCS; do
   $NV -Xcompiler -fopenmp -Xptxas -v -c $f -o $B/$(basename $f .cu).o > $B/$(basename $f .cu).log 2>&1 &
   pids="$pids $!"

@@ -55,8 +55,8 @@ fi
 NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
-for f in dev/cuda/check_fwd.cu csrc/gdn_cuda_fwd.cu csrc/gdn_cuda_fwd_wy.cu csrc/gdn_cuda_fwd_state.cu \
-         csrc/gdn_cuda_fwd_output.cu csrc/gdn_cuda_recurrent.cu; do
+for f in dev/cuda/check_fwd.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu csrc/cuda/gdn_cuda_fwd_state.cu \
+         csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_recurrent.cu; do
   $NV -Xptxas -v -c $f -o $B/$(basename $f .cu).o > $B/$(basename $f .cu).log 2>&1 &
   pids="$pids $!"
 done

@@ -2,10 +2,10 @@
 # sass_same.sh BEFORE_DIR AFTER_DIR — proves that a source change left the
 # machine code of every remaining CUDA kernel unchanged (no GPU needed).
 #
-# Both directories hold objects NAME.o of the same csrc/gdn_cuda_*.cu files,
+# Both directories hold objects NAME.o of the same csrc/cuda/gdn_cuda_*.cu files,
 # built with the project flags before and after the change, e.g.
 #
-#   for f in csrc/gdn_cuda_*.cu; do
+#   for f in csrc/cuda/gdn_cuda_*.cu; do
 #     nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -Xcompiler -fPIC \
 #       -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80 \
 #       -c $f -o /tmp/before/$(basename $f .cu).o

@@ -1,4 +1,4 @@
-"""Lane-level NumPy simulation of fq_bwd_state3_kernel (csrc/gdn_cuda_bwd_state.cu,
+"""Lane-level NumPy simulation of fq_bwd_state3_kernel (csrc/cuda/gdn_cuda_bwd_state.cu,
 backward version 6) on the CPU: ldmatrix / mma.sync m16n8k16 fragments, the
 shuffle-transposed stores, the cp.async ring (parts, zero-filled padding rows,
 wait counts) and the K-split exchange, all from the kernel's own index
