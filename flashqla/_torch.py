@@ -1,4 +1,5 @@
-"""PyTorch autograd for flashqla.gdn_chunk (imported only with PyTorch inputs).
+"""The PyTorch front-end: autograd for flashqla.gdn_chunk (imported only with
+PyTorch inputs; calls down into _prepared.py, never up into _api.py).
 
 The forward saves its (prepared) inputs; the backward calls the C backward,
 which recomputes every intermediate from them. Casts and .contiguous() are
@@ -7,7 +8,7 @@ back through them (e.g. to bfloat16 gates)."""
 
 import torch
 
-from ._api import chunk_bwd_prepared, chunk_fwd_prepared
+from ._prepared import chunk_bwd_prepared, chunk_fwd_prepared
 from ._frameworks import TORCH
 
 

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _api
+from . import _prepared
 from ._frameworks import JAX, _numpy_index, common_framework
 
 __all__ = ["gdn_chunk", "gdn_recurrent"]
@@ -30,7 +30,7 @@ def _dtype_name(x):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _chunk(q, k, v, g, beta, h0, cu_seqlens, opts):
     scale, output_final_state, use_qk_l2norm, _ = opts
-    o, ht, _ = _api.gdn_chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
+    o, ht, _ = _prepared.gdn_chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
                                   output_final_state=output_final_state,
                                   cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     return o, ht
@@ -38,7 +38,7 @@ def _chunk(q, k, v, g, beta, h0, cu_seqlens, opts):
 
 def _chunk_fwd(q, k, v, g, beta, h0, cu_seqlens, opts):
     scale, output_final_state, use_qk_l2norm, _ = opts
-    o, ht, ctx = _api.gdn_chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
+    o, ht, ctx = _prepared.gdn_chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
                                     output_final_state=output_final_state,
                                     cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     return (o, ht), ctx.inputs  # residuals: the prepared inputs (arrays / None)
@@ -47,8 +47,8 @@ def _chunk_fwd(q, k, v, g, beta, h0, cu_seqlens, opts):
 def _chunk_bwd(opts, residuals, cotangents):
     scale, output_final_state, use_qk_l2norm, grad_dtypes = opts
     do, dht = cotangents
-    ctx = _api.ChunkContext(JAX, residuals, scale, use_qk_l2norm, grad_dtypes)
-    dq, dk, dv, dg, dbeta, dh0 = _api.gdn_chunk_bwd(
+    ctx = _prepared.ChunkContext(JAX, residuals, scale, use_qk_l2norm, grad_dtypes)
+    dq, dk, dv, dg, dbeta, dh0 = _prepared.gdn_chunk_bwd(
         ctx, do, dht if output_final_state else None)
     return dq, dk, dv, dg, dbeta, dh0, None
 
@@ -88,13 +88,13 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
     if getattr(state, "ndim", None) != 4:
         raise ValueError(f"state: expected 4 dimensions [P, HV, K, V], got shape "
                          f"{list(getattr(state, 'shape', ()))}")
-    fw, q, k, v, g, beta, _, cu = _api._prepare_inputs(q, k, v, g, beta, None, cu_seqlens)
+    fw, q, k, v, g, beta, _, cu = _prepared.prepare_inputs(q, k, v, g, beta, None, cu_seqlens)
     idx = None
     if state_indices is not None:
         idx = fw.index_array(state_indices, q, "state_indices")
     # A fresh buffer that nothing else refers to, updated in place by the step
     # and then handed out as the new state.
-    new_state = jnp.array(_api._prepare_state(fw, state, q), copy=True)
-    o = _api.recurrent_prepared(fw, q, k, v, g, beta, new_state, idx, cu,
-                                _api._scale(scale, q), use_qk_l2norm)
+    new_state = jnp.array(_prepared.prepare_state(fw, state, q), copy=True)
+    o = _prepared.recurrent_prepared(fw, q, k, v, g, beta, new_state, idx, cu,
+                                     _prepared.resolve_scale(scale, q), use_qk_l2norm)
     return o, new_state

@@ -1,9 +1,10 @@
 /*
- * py_buffer.c — _C.Buffer and _C.empty: memory owned by flashqla (malloc or
- * cudaMalloc) exported zero-copy through __dlpack__ / __dlpack_device__, for
- * frameworks that cannot hand out writable arrays (JAX). Part of the CPython
- * binding (module.c); same reference discipline: every PyObject * starts NULL,
- * one fail: label releases what a function holds.
+ * dlpack_export.c — _C.Buffer and _C.empty: memory owned by flashqla (malloc
+ * or cudaMalloc) exported zero-copy through __dlpack__ / __dlpack_device__,
+ * for frameworks that cannot hand out writable arrays (JAX). Part of the
+ * CPython binding (module.c adds it to the module); same reference
+ * discipline: every PyObject * starts NULL, one fail: label releases what a
+ * function holds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,7 +16,8 @@
 
 #include "dlpack.h"
 #include "gdn.h"
-#include "py_binding.h"
+#include "errors.h"
+#include "dlpack_export.h"
 
 #define FQ_BUFFER_MAX_NDIM 8     /* rank limit of _C.Buffer                   */
 #define FQ_BUFFER_ALIGN 64       /* CPU buffers: cache line / AVX-512 aligned  */

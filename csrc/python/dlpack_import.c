@@ -1,0 +1,190 @@
+/*
+ * dlpack_import.c — step 1 of a call: one array argument taken in as a DLPack
+ * tensor, from an object with __dlpack__/__dlpack_device__ (asked for a
+ * versioned capsule, legacy on TypeError; CUDA arrays get stream=) or from a
+ * raw capsule. A capsule taken is renamed used_* at once, so from then on its
+ * deleter is ours to call (fq_array_release), on every path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "dlpack.h"
+#include "gdn.h"
+#include "errors.h"
+#include "dlpack_import.h"
+
+/* Re-raises the pending exception of a producer's __dlpack__ with the
+ * argument's name in front (same type, original chained as __cause__), for
+ * the plain builtin exception types; anything else passes through as is. */
+static void fq_prefix_error(const char *name, const char *what)
+{
+    PyObject *exc = fq_error_take(), *text = NULL, *renamed = NULL;
+    PyObject *type = exc ? (PyObject *)Py_TYPE(exc) : NULL;
+    if (type != PyExc_TypeError && type != PyExc_ValueError && type != PyExc_BufferError &&
+        type != PyExc_RuntimeError) {
+        fq_error_give(exc);
+        return;
+    }
+    text = PyObject_Str(exc);
+    if (!text) {
+        PyErr_Clear();
+        fq_error_give(exc);
+        return;
+    }
+    PyErr_Format(type, "%s: %s: %U", name, what, text);
+    Py_DECREF(text);
+    renamed = fq_error_take();
+    if (renamed) PyException_SetCause(renamed, exc); /* steals exc */
+    else Py_DECREF(exc);
+    fq_error_give(renamed);
+}
+/* Calls the deleter of a taken tensor (with the GIL held) and drops the
+ * capsule. Safe on an empty fq_array. */
+void fq_array_release(fq_array *a)
+{
+    if (a->versioned) {
+        if (a->versioned->deleter) a->versioned->deleter(a->versioned);
+    } else if (a->legacy) {
+        if (a->legacy->deleter) a->legacy->deleter(a->legacy);
+    }
+    Py_CLEAR(a->capsule);
+    memset(a, 0, sizeof *a);
+}
+
+/* Takes ownership of the tensor in `capsule` (borrowed): renames the capsule
+ * used_* and keeps a reference. From the rename on, fq_array_release must
+ * run, also when this function fails afterwards (unsupported version/device). */
+static int fq_array_take_capsule(fq_array *a, PyObject *capsule, const char *name)
+{
+    if (PyCapsule_IsValid(capsule, DLPACK_VERSIONED_TENSOR_UNUSED_NAME)) {
+        DLManagedTensorVersioned *m =
+            (DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, DLPACK_VERSIONED_TENSOR_UNUSED_NAME);
+        if (!m) return -1;
+        if (PyCapsule_SetName(capsule, DLPACK_VERSIONED_TENSOR_USED_NAME) < 0) return -1;
+        a->capsule = Py_NewRef(capsule);
+        a->versioned = m;
+        if (m->version.major != DLPACK_MAJOR_VERSION) {
+            /* Only version/manager_ctx/deleter may be read: the deleter runs
+             * in fq_array_release, as the spec asks. */
+            PyErr_Format(PyExc_ValueError,
+                         "%s: DLPack version %u.%u is not supported (flashqla reads major version %d)",
+                         name, (unsigned)m->version.major, (unsigned)m->version.minor,
+                         DLPACK_MAJOR_VERSION);
+            return -1;
+        }
+        a->t = &m->dl_tensor;
+        a->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    } else if (PyCapsule_IsValid(capsule, DLPACK_TENSOR_UNUSED_NAME)) {
+        DLManagedTensor *m = (DLManagedTensor *)PyCapsule_GetPointer(capsule, DLPACK_TENSOR_UNUSED_NAME);
+        if (!m) return -1;
+        if (PyCapsule_SetName(capsule, DLPACK_TENSOR_USED_NAME) < 0) return -1;
+        a->capsule = Py_NewRef(capsule);
+        a->legacy = m;
+        a->t = &m->dl_tensor;
+        a->readonly = 0; /* legacy DLPack cannot say; producers refuse read-only */
+    } else {
+        const char *cname = PyCapsule_GetName(capsule);
+        if (!cname) PyErr_Clear();
+        if (cname && (strcmp(cname, DLPACK_TENSOR_USED_NAME) == 0 ||
+                      strcmp(cname, DLPACK_VERSIONED_TENSOR_USED_NAME) == 0))
+            PyErr_Format(PyExc_ValueError,
+                         "%s: this DLPack capsule was already consumed (a capsule can be used once)",
+                         name);
+        else
+            PyErr_Format(PyExc_TypeError,
+                         "%s: expected a DLPack capsule named \"dltensor\" or \"dltensor_versioned\", "
+                         "got one named \"%s\"",
+                         name, cname ? cname : "(null)");
+        return -1;
+    }
+    DLDeviceType dt = a->t->device.device_type;
+    if (dt != kDLCPU && dt != kDLCUDA) {
+        char dev[64];
+        PyErr_Format(PyExc_ValueError, "%s: arrays on %s are not supported (only CPU and CUDA)",
+                     name, fq_device_str(a->t->device, dev, sizeof dev));
+        return -1;
+    }
+    return 0;
+}
+
+/* Imports one array argument. `cuda_stream` (borrowed) is passed as
+ * __dlpack__(stream=...) to CUDA arrays only. */
+int fq_array_import(fq_array *a, PyObject *obj, const char *name, PyObject *cuda_stream)
+{
+    PyObject *dev = NULL, *method = NULL, *kwargs = NULL, *empty = NULL, *version = NULL;
+    PyObject *capsule = NULL;
+    int rc = -1;
+
+    if (PyCapsule_CheckExact(obj)) return fq_array_take_capsule(a, obj, name);
+
+    if (!PyObject_HasAttrString(obj, "__dlpack__") ||
+        !PyObject_HasAttrString(obj, "__dlpack_device__")) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: expected an array with __dlpack__ and __dlpack_device__ (NumPy, PyTorch, "
+                     "JAX, CuPy) or a DLPack capsule, got %.200s",
+                     name, Py_TYPE(obj)->tp_name);
+        goto fail;
+    }
+    dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (!dev) {
+        fq_prefix_error(name, "__dlpack_device__() failed");
+        goto fail;
+    }
+    long device_type = -1;
+    if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) {
+        device_type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+        if (device_type == -1 && PyErr_Occurred()) PyErr_Clear();
+    }
+    if (device_type == -1) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: __dlpack_device__() must return (device_type, device_id), got %.200R",
+                     name, dev);
+        goto fail;
+    }
+    if (device_type != kDLCPU && device_type != kDLCUDA) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: arrays on DLPack device type %ld are not supported (only CPU = 1 and "
+                     "CUDA = 2)",
+                     name, device_type);
+        goto fail;
+    }
+
+    method = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!method) goto fail;
+    kwargs = PyDict_New();
+    empty = PyTuple_New(0);
+    version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, 0);
+    if (!kwargs || !empty || !version) goto fail;
+    if (device_type == kDLCUDA && PyDict_SetItemString(kwargs, "stream", cuda_stream) < 0) goto fail;
+    if (PyDict_SetItemString(kwargs, "max_version", version) < 0) goto fail;
+    capsule = PyObject_Call(method, empty, kwargs);
+    if (!capsule && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* a producer older than DLPack 1.0 does not know max_version */
+        PyErr_Clear();
+        if (PyDict_DelItemString(kwargs, "max_version") < 0) goto fail;
+        capsule = PyObject_Call(method, empty, kwargs);
+    }
+    if (!capsule) {
+        fq_prefix_error(name, "__dlpack__() failed");
+        goto fail;
+    }
+    if (!PyCapsule_CheckExact(capsule)) {
+        PyErr_Format(PyExc_TypeError, "%s: __dlpack__() returned %.200s, not a DLPack capsule", name,
+                     Py_TYPE(capsule)->tp_name);
+        goto fail;
+    }
+    rc = fq_array_take_capsule(a, capsule, name);
+
+fail:
+    Py_XDECREF(capsule);
+    Py_XDECREF(version);
+    Py_XDECREF(empty);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(method);
+    Py_XDECREF(dev);
+    return rc;
+}

@@ -1,0 +1,214 @@
+"""The bottom layer of flashqla's Python side: prepared calls and contexts.
+
+Everything here takes arrays of one framework (an adapter of _frameworks.py)
+and calls the C backend (flashqla._C): argument preparation (contiguous
+copies, dtype casts of gates and states, index arrays), output allocation in
+the caller's framework, the three raw calls, and the framework-neutral
+forward/backward pair with the ChunkContext that links them.
+
+Imports run one way (DESIGN §4): the public API (_api.py) and the framework
+front-ends (_torch.py, jax.py) call down into this module; it imports only
+_C and _frameworks, never anything above it.
+
+Shapes (time-major, as in FLA):
+
+    q, k           [B, T, H, K]      float32 / float16 / bfloat16 / float64
+    v, o           [B, T, HV, V]     same dtype as q (HV a multiple of H)
+    g, beta        [B, T, HV]        float32 or q's dtype
+    initial_state  [N, HV, K, V]     float32 (float64 with float64 inputs)
+    state          [P, HV, K, V]     the recurrent step's pool, same dtype
+    cu_seqlens     [N + 1]           int32 / int64, packed sequences, B == 1
+"""
+
+from . import _C
+from ._frameworks import TORCH, common_framework, state_dtype_of
+
+
+# ------------------------------------------------------------ preparation ----
+
+def check_ndim(x, name, ndim, layout):
+    if x is not None and getattr(x, "ndim", None) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions {layout}, "
+                         f"got shape {list(getattr(x, 'shape', ()))}")
+
+
+def _prepare_gates(fw, q, g, beta):
+    """g and beta go to the C core unchanged when they share one dtype that is
+    float32 or q's dtype; otherwise both are cast to float32 (gradients are
+    cast back). Non-float gates are passed on for the core to reject."""
+    gd, bd, qd = fw.dtype_name(g), fw.dtype_name(beta), fw.dtype_name(q)
+    if gd == bd and gd in ("float32", qd):
+        return g, beta
+    if fw.is_floating(g) and fw.is_floating(beta):
+        return fw.astype(g, "float32"), fw.astype(beta, "float32")
+    return g, beta
+
+
+def prepare_state(fw, x, q):
+    """The state in the core's dtype: float32, or float64 with float64 inputs."""
+    if x is None:
+        return None
+    x = fw.contiguous(x)
+    want = state_dtype_of(fw.dtype_name(q))
+    if fw.is_floating(x) and fw.dtype_name(x) != want:
+        x = fw.astype(x, want)
+    return x
+
+
+def prepare_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
+    fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                           ("initial_state", initial_state)])
+    check_ndim(q, "q", 4, "[B, T, H, K]")
+    check_ndim(k, "k", 4, "[B, T, H, K]")
+    check_ndim(v, "v", 4, "[B, T, HV, V]")
+    check_ndim(g, "g", 3, "[B, T, HV]")
+    check_ndim(beta, "beta", 3, "[B, T, HV]")
+    check_ndim(initial_state, "initial_state", 4, "[N, HV, K, V]")
+    q, k, v, g, beta = (fw.contiguous(x) for x in (q, k, v, g, beta))
+    g, beta = _prepare_gates(fw, q, g, beta)
+    h0 = prepare_state(fw, initial_state, q)
+    cu = None
+    if cu_seqlens is not None:
+        cu = fw.index_array(cu_seqlens, q, "cu_seqlens")
+        check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
+    return fw, q, k, v, g, beta, h0, cu
+
+
+def sizes_of(q, v, cu):
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    N = B if cu is None else max(int(cu.shape[0]) - 1, 0)
+    return B, T, H, HV, K, V, N
+
+
+def resolve_scale(scale, q):
+    return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+
+
+# --------------------------------------------------------------- raw calls ----
+# Inputs already prepared (contiguous, dtypes settled); outputs allocated here.
+
+def detached(fw, *xs):
+    return tuple(None if x is None else fw.detach(x) for x in xs)
+
+
+def chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, output_final_state,
+                       use_qk_l2norm):
+    q, k, v, g, beta, h0, cu = detached(fw, q, k, v, g, beta, h0, cu)
+    B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
+    dt = fw.dtype_name(q)
+    o = fw.empty((B, T, HV, V), dt, q)
+    ht = fw.empty((N, HV, K, V), state_dtype_of(dt), q) if output_final_state else None
+    launch = fw.launch("fwd", q, sizes, dt)
+    fw.before_call((q, k, v, g, beta, h0, cu))
+    _C.chunk_fwd(q, k, v, g, beta, o, scale=scale, initial_state=h0, final_state=ht,
+                 cu_seqlens=cu, use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    fw.after_call(q)
+    return fw.output(o), fw.output(ht)
+
+
+def chunk_bwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, use_qk_l2norm, do, dht):
+    q, k, v, g, beta, h0, cu, do, dht = detached(fw, q, k, v, g, beta, h0, cu, do, dht)
+    B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
+    dt = fw.dtype_name(q)
+    do = fw.contiguous(do)
+    if fw.dtype_name(do) != dt and fw.is_floating(do):
+        do = fw.astype(do, dt)
+    dht = prepare_state(fw, dht, q)
+    dq = fw.empty(tuple(q.shape), dt, q)
+    dk = fw.empty(tuple(k.shape), fw.dtype_name(k), q)
+    dv = fw.empty(tuple(v.shape), fw.dtype_name(v), q)
+    dg = fw.empty(tuple(g.shape), fw.dtype_name(g), q)
+    dbeta = fw.empty(tuple(beta.shape), fw.dtype_name(beta), q)
+    dh0 = None if h0 is None else fw.empty(tuple(h0.shape), fw.dtype_name(h0), q)
+    launch = fw.launch("bwd", q, sizes, dt)
+    fw.before_call((q, k, v, g, beta, h0, cu, do, dht))
+    _C.chunk_bwd(q, k, v, g, beta, do, dq, dk, dv, dg, dbeta, scale=scale,
+                 initial_state=h0, dfinal_state=dht, dinitial_state=dh0, cu_seqlens=cu,
+                 use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    fw.after_call(q)
+    return tuple(fw.output(x) for x in (dq, dk, dv, dg, dbeta, dh0))
+
+
+# ---------------------------------------------------------- public: chunk ----
+
+class ChunkContext:
+    """What gdn_chunk_bwd needs from gdn_chunk_fwd: the (prepared) inputs and
+    options. Nothing computed in the forward is kept: the backward recomputes
+    it from the inputs."""
+
+    __slots__ = ("framework", "inputs", "scale", "use_qk_l2norm", "grad_dtypes")
+
+    def __init__(self, framework, inputs, scale, use_qk_l2norm, grad_dtypes):
+        self.framework = framework
+        self.inputs = inputs              # q, k, v, g, beta, h0, cu_seqlens
+        self.scale = scale
+        self.use_qk_l2norm = use_qk_l2norm
+        self.grad_dtypes = grad_dtypes    # caller's dtypes of g, beta, initial_state
+
+    def __repr__(self):
+        q = self.inputs[0]
+        return (f"ChunkContext({self.framework.name}, q{list(q.shape)} "
+                f"{self.framework.dtype_name(q)}, scale={self.scale:g}, "
+                f"use_qk_l2norm={self.use_qk_l2norm})")
+
+
+def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
+                  output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):
+    """Chunked forward of the gated delta rule without autograd.
+
+    Returns (o, final_state, ctx): final_state [N, HV, K, V] is None unless
+    output_final_state; ctx goes to gdn_chunk_bwd. Works for every framework;
+    the autograd wrappers (PyTorch, JAX) are built on this pair."""
+    grad_dtypes = None
+    fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state)])
+    if fw is not None:
+        grad_dtypes = tuple(None if x is None else fw.dtype_name(x)
+                            for x in (g, beta, initial_state))
+    if fw is TORCH:
+        q, k, v, g, beta, initial_state = detached(fw, q, k, v, g, beta, initial_state)
+    fw, q, k, v, g, beta, h0, cu = prepare_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    scale = resolve_scale(scale, q)
+    o, ht = chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, output_final_state,
+                               use_qk_l2norm)
+    ctx = ChunkContext(fw, (q, k, v, g, beta, h0, cu), scale, bool(use_qk_l2norm), grad_dtypes)
+    return o, ht, ctx
+
+
+def gdn_chunk_bwd(ctx, do, dfinal_state=None):
+    """Backward of gdn_chunk_fwd: from do [B, T, HV, V] (and dfinal_state
+    [N, HV, K, V], None meaning zero) returns (dq, dk, dv, dg, dbeta,
+    dinitial_state), each in the dtype of its input; dinitial_state is None
+    when no initial state was given."""
+    if not isinstance(ctx, ChunkContext):
+        raise TypeError(f"ctx: expected the ChunkContext returned by gdn_chunk_fwd, "
+                        f"got {type(ctx).__name__}")
+    fw = ctx.framework
+    if do is None:
+        raise TypeError("do: the gradient of o is required (zeros if o is unused)")
+    dfw = common_framework([("do", do), ("dfinal_state", dfinal_state)])
+    if dfw is not fw:
+        raise TypeError(f"do: is a {dfw.name} array but the forward ran on {fw.name} arrays")
+    q, k, v, g, beta, h0, cu = ctx.inputs
+    grads = chunk_bwd_prepared(fw, q, k, v, g, beta, h0, cu, ctx.scale, ctx.use_qk_l2norm,
+                               do, dfinal_state)
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    back = []
+    for grad, want in zip((dg, dbeta, dh0), ctx.grad_dtypes):
+        if grad is not None and want is not None and fw.dtype_name(grad) != want:
+            grad = fw.astype(grad, want)
+        back.append(grad)
+    return (dq, dk, dv) + tuple(back)
+
+
+def recurrent_prepared(fw, q, k, v, g, beta, state, idx, cu, scale, use_qk_l2norm):
+    q, k, v, g, beta, state, idx, cu = detached(fw, q, k, v, g, beta, state, idx, cu)
+    B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
+    dt = fw.dtype_name(q)
+    o = fw.empty((B, T, HV, V), dt, q)
+    launch = fw.launch("recurrent", q, sizes, dt)
+    fw.before_call((q, k, v, g, beta, state, idx, cu))
+    _C.recurrent(q, k, v, g, beta, state, o, scale=scale, state_indices=idx, cu_seqlens=cu,
+                 use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    fw.after_call(q)
+    return fw.output(o)

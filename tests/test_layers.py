@@ -1,0 +1,88 @@
+"""The source tree keeps its layers (DESIGN §4): imports and includes run one
+way. flashqla/: the public API (_api.py) and the framework front-ends call
+down into the prepared-call layer (_prepared.py, _frameworks.py, _C), never
+back up. csrc/python/: the binding's files include each other without a
+circle."""
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "flashqla")
+BINDING = os.path.join(ROOT, "csrc", "python")
+
+# module -> the flashqla modules it may import (directly or lazily)
+ALLOWED = {
+    "_frameworks": {"_C"},
+    "_prepared": {"_C", "_frameworks"},
+    "_torch": {"_C", "_frameworks", "_prepared"},
+    "jax": {"_C", "_frameworks", "_prepared"},
+    "reference": set(),
+}
+
+
+def _flashqla_imports(path):
+    """The flashqla submodules a file imports (relative or absolute), lazily or not."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                if node.module:
+                    found.add(node.module.split(".")[0])
+                else:
+                    found.update(a.name.split(".")[0] for a in node.names)
+            elif node.module and node.module.split(".")[0] == "flashqla":
+                parts = node.module.split(".")
+                if len(parts) > 1:
+                    found.add(parts[1])
+                else:
+                    found.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "flashqla" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def test_python_layers_import_downwards_only():
+    for mod, allowed in ALLOWED.items():
+        path = os.path.join(PKG, mod + ".py")
+        if not os.path.exists(path):
+            continue
+        extra = _flashqla_imports(path) - allowed
+        assert not extra, f"flashqla/{mod}.py imports {sorted(extra)}, above its layer"
+
+
+def _includes(path):
+    return re.findall(r'^#include "([^"]+)"', open(path, encoding="utf-8").read(), flags=re.M)
+
+
+def test_binding_includes_have_no_circle():
+    files = sorted(os.listdir(BINDING))
+    local = {f for f in files if f.endswith(".h")}
+    # a .c file stands for its own header: x.c includes y.h  =>  x -> y
+    graph = {}
+    for f in files:
+        if not f.endswith((".c", ".h")):
+            continue
+        node = os.path.splitext(f)[0]
+        graph.setdefault(node, set()).update(
+            os.path.splitext(h)[0] for h in _includes(os.path.join(BINDING, f))
+            if h in local and os.path.splitext(h)[0] != node)
+    state = {}
+
+    def visit(n, path):
+        if state.get(n) == "done":
+            return
+        assert state.get(n) != "open", "include circle in csrc/python: " + " -> ".join(path + [n])
+        state[n] = "open"
+        for m in sorted(graph.get(n, ())):
+            visit(m, path + [n])
+        state[n] = "done"
+
+    for n in sorted(graph):
+        visit(n, [])
+    assert {"errors", "dlpack_import", "validate", "module"} <= set(graph)
