@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tiny flashqla CUDA run for compute-sanitizer (memcheck, racecheck): forward, backward and
 recurrent step, K = V = 64 and 128, T = 130, 2 value heads, checked against the float64
-token-by-token reference (benchmarks/bench_gpu.py: ref_gdn_f64).
+token-by-token reference (flashqla/reference.py) with the project's tolerances (bf16 row).
 
     compute-sanitizer --tool memcheck  --error-exitcode 86 python3 dev/sanitize_small.py
     compute-sanitizer --tool racecheck --error-exitcode 86 python3 dev/sanitize_small.py --quick
@@ -27,8 +27,12 @@ os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench_gpu import TOL, ref_gdn_f64  # noqa: E402  (float64 reference, tolerances of DESIGN §3)
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from flashqla import reference as R  # noqa: E402  (the float64 reference and tolerance table)
+
+TOL = {n: R.tolerance("bfloat16", n) for n in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")}
 
 failures = []
 
@@ -68,16 +72,16 @@ def cpu_inputs(gen, B, T, H, HV, K, N, l2norm_inside):
 
 
 def reference(x, scale, cu, l2norm_inside):
-    leaves = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0")}
-    q, k = leaves["q"], leaves["k"]
-    if l2norm_inside:   # q / sqrt(sum q^2 + eps) style; eps negligible for random vectors
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    o, ht = ref_gdn_f64(q, k, leaves["v"], leaves["g"], leaves["beta"], leaves["h0"], scale, cu)
-    torch.autograd.backward([o, ht], [x["do"].double(), x["dht"].double()])
-    return {"o": o.detach(), "ht": ht.detach(), "dq": leaves["q"].grad, "dk": leaves["k"].grad,
-            "dv": leaves["v"].grad, "dg": leaves["g"].grad, "dbeta": leaves["beta"].grad,
-            "dh0": leaves["h0"].grad}
+    """o, ht and the gradients of <o, do> + <ht, dht> from flashqla/reference.py (float64)."""
+    a = {n: x[n].double().numpy() for n in x}
+    cu = None if cu is None else np.asarray(cu, dtype=np.int64)
+    o, ht = R.forward(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=scale, initial_state=a["h0"],
+                      cu_seqlens=cu, use_qk_l2norm=l2norm_inside)
+    grads = R.backward(a["q"], a["k"], a["v"], a["g"], a["beta"], a["do"], dfinal_state=a["dht"],
+                       scale=scale, initial_state=a["h0"], cu_seqlens=cu, use_qk_l2norm=l2norm_inside)
+    ref = {"o": o, "ht": ht}
+    ref.update(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads))
+    return {n: torch.from_numpy(v) for n, v in ref.items()}
 
 
 def sync(dev):
@@ -152,16 +156,9 @@ def recurrent_case(C, K, H, HV, T, stream, dev):
         sync(dev)
         o, pool_out = o.cpu(), pool_dev.cpu()
         errs = {}
-        want_pool = pool.double().clone()
-        o_ref = torch.zeros(N, T, HV, K, dtype=torch.float64)
-        for n, slot in enumerate(idx):
-            if slot < 0:
-                continue
-            on, hn = ref_gdn_f64(x["q"][n:n + 1].double(), x["k"][n:n + 1].double(), x["v"][n:n + 1].double(),
-                                 x["g"][n:n + 1].double(), x["beta"][n:n + 1].double(),
-                                 pool[slot:slot + 1].double(), scale)
-            o_ref[n] = on[0]
-            want_pool[slot] = hn[0]
+        o_ref, want_pool = R.recurrent(*(x[n].double().numpy() for n in ("q", "k", "v", "g", "beta")),
+                                       pool.double().numpy(), state_indices=idx, scale=scale)
+        o_ref, want_pool = torch.from_numpy(o_ref), torch.from_numpy(want_pool)
         errs["o"] = rel(o, o_ref)
         errs["ht"] = rel(pool_out, want_pool)
         untouched = bool(torch.equal(pool_out[1], pool[1]) and torch.equal(pool_out[3], pool[3]))

@@ -20,6 +20,13 @@ head vector (the form FLA uses), gradients included.
 
 Layouts as in csrc/gdn.h: q, k [B,T,H,K]; v [B,T,HV,V]; g, beta [B,T,HV];
 states [N,HV,K,V]; cu_seqlens [N+1] (B == 1 then).
+
+This module also holds the project's one tolerance table (TOLERANCES,
+tolerance()): the tests, benchmarks/bench_gpu.py, the demo and the dev
+checkers all take their limits from it (the C checkers in dev/cpu through a
+header the dev Makefile generates: python3 flashqla/reference.py --c-header).
+It imports nothing but NumPy, so scripts may load it by path without a built
+flashqla.
 """
 
 import numpy as np
@@ -27,7 +34,73 @@ import numpy as np
 L2NORM_EPS = 1e-6
 CHECKPOINT_EVERY = 64  # the backward stores every 64th state and recomputes between
 
-__all__ = ["forward", "backward", "recurrent", "l2norm", "L2NORM_EPS"]
+__all__ = ["forward", "backward", "recurrent", "l2norm", "L2NORM_EPS", "TOLERANCES",
+           "tolerance", "rel_error"]
+
+# ---- the tolerance table (DESIGN §3) ----------------------------------------
+# rel = ||out - ref||_2 / ||ref||_2 against this reference; NaN or Inf never
+# passes. By the dtype of the inputs (q, k, v) and what is compared:
+#   "out"   o and the final state (or the updated pool)
+#   "grad"  dq, dk, dv, dbeta, dh0
+#   "dg"    dg (a reverse cumulative sum: the loosest)
+TOLERANCES = {
+    "bfloat16": {"out": 5e-3, "grad": 1e-2, "dg": 2e-2},
+    # float16 has more mantissa than bfloat16 and runs the same kernels: held to bf16's budget
+    "float16": {"out": 5e-3, "grad": 1e-2, "dg": 2e-2},
+    # float32 inputs on the CPU backend (the CUDA backend is held to the bf16 row)
+    "float32": {"out": 1e-4, "grad": 1e-4, "dg": 1e-4},
+    # float64 inputs compute in float64 (seen: ~1e-15)
+    "float64": {"out": 1e-12, "grad": 1e-12, "dg": 1e-12},
+}
+_OUT_NAMES = ("o", "ht", "out", "final_state", "state", "new_state", "pool")
+_GRAD_NAMES = ("grad", "dq", "dk", "dv", "dbeta", "dh0")
+
+
+def tolerance(dtype_name, what):
+    """The tolerance for inputs of dtype `dtype_name` ("bfloat16", "float16",
+    "float32", "float64"); `what` is "o", "ht" (or "out", "final_state",
+    "state"), "dg", or a gradient name "dq", "dk", "dv", "dbeta", "dh0"."""
+    row = TOLERANCES.get(dtype_name)
+    if row is None:
+        raise ValueError(f"tolerance: no row for dtype {dtype_name!r} (have {sorted(TOLERANCES)})")
+    if what in _OUT_NAMES:
+        return row["out"]
+    if what == "dg":
+        return row["dg"]
+    if what in _GRAD_NAMES:
+        return row["grad"]
+    raise ValueError(f"tolerance: unknown quantity {what!r}")
+
+
+def rel_error(out, ref):
+    """||out - ref||_2 / ||ref||_2 in float64 (||out - ref|| when ref is 0);
+    inf when out holds NaN or Inf. NumPy arrays (or anything np.asarray takes)."""
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"rel_error: shape {out.shape} != reference {ref.shape}")
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    den = float(np.linalg.norm(ref))
+    num = float(np.linalg.norm(out - ref))
+    return num / den if den > 0 else num
+
+
+def c_header():
+    """The table as a C header for the checkers in dev/cpu (generated, never edited)."""
+    codes = {"float32": "FQ_F32", "float16": "FQ_F16", "bfloat16": "FQ_BF16", "float64": "FQ_F64"}
+    lines = ["/* Generated from flashqla/reference.py (TOLERANCES) by dev/Makefile: do not edit. */",
+             "#ifndef FQ_DEV_TOLERANCE_H", "#define FQ_DEV_TOLERANCE_H", '#include "gdn.h"',
+             "typedef enum { FQ_TOL_OUT, FQ_TOL_GRAD, FQ_TOL_DG } fq_tol_what;",
+             "/* rel = ||out - ref|| / ||ref|| limit for inputs of dtype dt; 0 for an unknown dtype */",
+             "static inline double fq_tolerance(fq_dtype dt, fq_tol_what what)", "{",
+             "    switch (dt) {"]
+    for name, code in codes.items():
+        r = TOLERANCES[name]
+        lines.append(f"    case {code}: return what == FQ_TOL_OUT ? {r['out']!r} : "
+                     f"what == FQ_TOL_GRAD ? {r['grad']!r} : {r['dg']!r};")
+    lines += ["    }", "    return 0;", "}", "#endif", ""]
+    return "\n".join(lines)
 
 
 def _f64(x):
@@ -231,3 +304,10 @@ def recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seq
         else:
             pool[slots[n]] = ht[n]
     return o, pool
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--c-header"]:
+        sys.exit("usage: python3 flashqla/reference.py --c-header   (the tolerance table as C)")
+    sys.stdout.write(c_header())

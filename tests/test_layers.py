@@ -8,6 +8,8 @@ import ast
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "flashqla")
 BINDING = os.path.join(ROOT, "csrc", "python")
@@ -86,3 +88,46 @@ def test_binding_includes_have_no_circle():
     for n in sorted(graph):
         visit(n, [])
     assert {"errors", "dlpack_import", "validate", "module"} <= set(graph)
+
+
+_NOT_SOURCE = {"build", "dist", "__pycache__", "venv", "node_modules"}
+
+
+def _source_dirs():
+    """Every folder of the source tree (relative, '/'-joined), build outputs and
+    hidden folders (but .ci) left out."""
+    found = set()
+    for dirpath, dirnames, _ in os.walk(ROOT):
+        rel = os.path.relpath(dirpath, ROOT)
+        dirnames[:] = [d for d in dirnames
+                       if d not in _NOT_SOURCE and not d.endswith(".egg-info")
+                       and (not d.startswith(".") or (rel == "." and d == ".ci"))]
+        if rel != ".":
+            found.add(rel.replace(os.sep, "/"))
+    return found
+
+
+def _readme_layout():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed, stack = set(), []
+    for line in block.splitlines():
+        m = re.match(r"^( +)(\S+)", line)
+        if not m or not (m.group(2).endswith("/") or m.group(2) == ".ci/run"):
+            continue
+        indent, name = len(m.group(1)), m.group(2).rstrip("/")
+        if name == ".ci/run":
+            name = ".ci"
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([p for _, p in stack] + [name])
+        listed.add(path)
+        stack.append((indent, name))
+    return listed
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "README.md")),
+                    reason="README.md not beside tests/ (an installed copy of the tests)")
+def test_readme_layout_lists_every_folder():
+    missing = sorted(_source_dirs() - _readme_layout())
+    assert not missing, f"README.md's Layout does not list: {missing}"

@@ -106,3 +106,24 @@ def test_recurrent_pool_semantics():
     np.testing.assert_allclose(new[0], ht[2], rtol=1e-14)
     np.testing.assert_array_equal(new[1], pool[1])         # untouched slots
     np.testing.assert_array_equal(new[2], pool[2])
+
+
+def test_tolerance_table_is_design_section_3():
+    tol = reference.tolerance
+    assert (tol("bfloat16", "o"), tol("bfloat16", "ht"), tol("bfloat16", "dq"),
+            tol("bfloat16", "dh0"), tol("bfloat16", "dg")) == (5e-3, 5e-3, 1e-2, 1e-2, 2e-2)
+    assert tol("float16", "dg") == 2e-2 and tol("float32", "dv") == 1e-4
+    assert tol("float64", "dg") <= 1e-12
+    with pytest.raises(ValueError, match="int8"):
+        tol("int8", "o")
+    with pytest.raises(ValueError, match="dz"):
+        tol("float32", "dz")
+
+
+def test_rel_error_and_the_c_header_of_the_table():
+    assert reference.rel_error([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert reference.rel_error([np.nan, 2.0], [1.0, 2.0]) == float("inf")
+    assert reference.rel_error([3.0, 4.0], [0.0, 0.0]) == 5.0
+    header = reference.c_header()
+    assert "fq_tolerance(fq_dtype dt, fq_tol_what what)" in header
+    assert "case FQ_BF16: return what == FQ_TOL_OUT ? 0.005 : what == FQ_TOL_GRAD ? 0.01 : 0.02;" in header

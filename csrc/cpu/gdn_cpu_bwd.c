@@ -13,7 +13,7 @@
  * ---------------------------------------------------------------------------
  * The per-chunk equations, as implemented (checked in float64 against the
  * token recurrence with torch.autograd and finite differences by
- * tools/derive_bwd.py, to ~1e-14).
+ * dev/cpu/derive_bwd.py, to ~1e-14).
  *
  * Chunk of c <= C = 64 rows r = 0..c-1 (local), S = state at chunk start,
  * Q, K (c x K, after the optional l2norm), V, dO (c x V), g, b (c):

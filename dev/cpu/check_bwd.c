@@ -1,21 +1,21 @@
 /*
- * check_bwd.c — checks fq_cpu_chunk_bwd against a naive double-precision
- * reverse mode (BPTT) of the token-by-token recurrence (DESIGN §1), on
+ * check_bwd.c — checks fq_cpu_chunk_bwd against the float64 reverse mode (BPTT)
+ * of the token-by-token recurrence (dev/cpu/reference.c, DESIGN §1), on
  * realistic inputs (DESIGN §3), with every output poisoned (NaN) first.
  *
- *   gcc -std=c11 -O2 -march=native -fno-math-errno -ffp-contract=fast -pthread \
- *       -I csrc dev/cpu/check_bwd.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c \
- *       csrc/cpu/gdn_cpu_bwd.c [csrc/cpu/gdn_cpu_fwd.c] -lm -o /tmp/check_bwd
- *   /tmp/check_bwd            all cases; exit status 1 on any failure
- *   /tmp/check_bwd --small    a few small cases (for valgrind)
- *   /tmp/check_bwd --bench    time backward (and forward if linked) at K=V=128
+ *   make -C dev check_bwd          builds dev/build/check_bwd and runs it
+ *   dev/build/check_bwd            all cases; exit status 1 on any failure
+ *   dev/build/check_bwd --small    a few small cases (for valgrind)
+ *   dev/build/check_bwd --bench    time backward and forward at K=V=128
  *
- * Tolerances, rel = ||out - ref||_2 / ||ref||_2: float64 1e-10, float32 1e-4,
- * bf16/f16 1e-2 (dg 2e-2). NaN never passes.
+ * Tolerances: the project's table (flashqla/reference.py, as
+ * dev/build/tolerance.h), rel = ||out - ref||_2 / ||ref||_2. NaN never passes.
  */
 #define _POSIX_C_SOURCE 199309L
 #include "gdn.h"
 #include "cpu/gdn_cpu.h"
+#include "reference.h"
+#include "tolerance.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -73,88 +73,6 @@ static double *to_double(const void *b, size_t n, fq_dtype dt)
     return x;
 }
 
-/* -------------------------------------------------- naive reference ---- */
-/* One sequence, one value head; q, k rows already normalised. dq, dk are
- * added to (rows of q_hat/k_hat gradients); dv, dg, db, dh0 written.
- * S has (T+1)*K*V entries. */
-static void ref_head(int64_t T, int64_t K, int64_t V, double scale, const double *q,
-                     const double *k, const double *v, const double *g, const double *b,
-                     const double *h0, const double *dO, const double *dht, double *dq,
-                     double *dk, double *dv, double *dg, double *db, double *dh0, double *S,
-                     double *u, double *dS)
-{
-    const int64_t KV = K * V;
-    double *pred = malloc(V * sizeof *pred), *du = malloc(V * sizeof *du);
-    for (int64_t i = 0; i < KV; i++) S[i] = h0 ? h0[i] : 0.0;
-    for (int64_t t = 0; t < T; t++) { /* S_t = a S_{t-1} + k u^T, u = b (v - a S^T k) */
-        const double a = exp(g[t]), *Sp = S + t * KV;
-        double *Sn = S + (t + 1) * KV;
-        for (int64_t c = 0; c < V; c++) {
-            double s = 0;
-            for (int64_t i = 0; i < K; i++) s += Sp[i * V + c] * k[t * K + i];
-            u[t * V + c] = b[t] * (v[t * V + c] - a * s);
-        }
-        for (int64_t i = 0; i < K; i++)
-            for (int64_t c = 0; c < V; c++)
-                Sn[i * V + c] = a * Sp[i * V + c] + k[t * K + i] * u[t * V + c];
-    }
-    for (int64_t i = 0; i < KV; i++) dS[i] = dht ? dht[i] : 0.0;
-    for (int64_t t = T - 1; t >= 0; t--) {
-        const double a = exp(g[t]), *Sp = S + t * KV, *Sn = S + (t + 1) * KV;
-        const double *qt = q + t * K, *kt = k + t * K, *dot = dO + t * V, *ut = u + t * V;
-        /* o_t = scale S_t^T q_t */
-        for (int64_t i = 0; i < K; i++) {
-            double s = 0;
-            for (int64_t c = 0; c < V; c++) {
-                s += Sn[i * V + c] * dot[c];
-                dS[i * V + c] += scale * qt[i] * dot[c];
-            }
-            dq[t * K + i] += scale * s;
-        }
-        /* S_t = a S_{t-1} + k u^T */
-        for (int64_t c = 0; c < V; c++) {
-            double s = 0, p = 0;
-            for (int64_t i = 0; i < K; i++) {
-                s += kt[i] * dS[i * V + c];
-                p += Sp[i * V + c] * kt[i];
-            }
-            du[c] = s;
-            pred[c] = p;
-        }
-        double da = 0;
-        for (int64_t i = 0; i < K; i++) {
-            double s = 0;
-            for (int64_t c = 0; c < V; c++) {
-                s += dS[i * V + c] * ut[c];
-                da += Sp[i * V + c] * dS[i * V + c];
-            }
-            dk[t * K + i] += s;
-        }
-        /* u = b (v - a pred), pred = S_{t-1}^T k */
-        double dbt = 0, dup = 0;
-        for (int64_t c = 0; c < V; c++) {
-            dbt += du[c] * (v[t * V + c] - a * pred[c]);
-            dv[t * V + c] = b[t] * du[c];
-            dup += du[c] * pred[c];
-        }
-        db[t] = dbt;
-        da -= b[t] * dup;
-        for (int64_t i = 0; i < K; i++) {
-            double s = 0;
-            for (int64_t c = 0; c < V; c++) {
-                const double dpred = -b[t] * a * du[c];
-                s += Sp[i * V + c] * dpred;
-                dS[i * V + c] = a * dS[i * V + c] + kt[i] * dpred;
-            }
-            dk[t * K + i] += s;
-        }
-        dg[t] = a * da;
-    }
-    if (dh0) memcpy(dh0, dS, KV * sizeof *dS);
-    free(pred);
-    free(du);
-}
-
 /* --------------------------------------------------------------- cases ---- */
 typedef struct {
     const char *name;
@@ -167,20 +85,9 @@ typedef struct {
     int cu_int64;
 } tcase;
 
-static double rel_err(const double *a, const double *r, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        num += (a[i] - r[i]) * (a[i] - r[i]);
-        den += r[i] * r[i];
-    }
-    if (den == 0) return num == 0 ? 0 : sqrt(num);
-    return sqrt(num / den);
-}
-
 static int run_case(const tcase *tc)
 {
-    const int64_t H = tc->H, HV = tc->HV, K = tc->K, V = tc->V, G = HV / H;
+    const int64_t H = tc->H, HV = tc->HV, K = tc->K, V = tc->V;
     int64_t B = tc->B, T = tc->T, N;
     int64_t cu[64];
     if (tc->lens) {
@@ -265,75 +172,17 @@ static int run_case(const tcase *tc)
     /* ---- the reference ---- */
     double *rq = calloc(nq, 8), *rk = calloc(nq, 8), *rv = calloc(nv, 8), *rg = calloc(ng, 8);
     double *rb = calloc(ng, 8), *rh0 = calloc(ns + 1, 8);
-    int64_t Tmax = 0;
-    for (int64_t n = 0; n < N; n++) {
-        int64_t len = tc->lens ? cu[n + 1] - cu[n] : T;
-        if (len > Tmax) Tmax = len;
-    }
-    double *S = malloc(((Tmax + 1) * K * V) * 8), *u = malloc((Tmax * V + 1) * 8);
-    double *dS = malloc(K * V * 8);
-    double *hq = malloc((Tmax * K + 1) * 8), *hk = malloc((Tmax * K + 1) * 8);
-    double *hv = malloc((Tmax * V + 1) * 8), *hdo = malloc((Tmax * V + 1) * 8);
-    double *hg = malloc((Tmax + 1) * 8), *hb = malloc((Tmax + 1) * 8);
-    double *hdq = malloc((Tmax * K + 1) * 8), *hdk = malloc((Tmax * K + 1) * 8);
-    double *hdv = malloc((Tmax * V + 1) * 8), *hdg = malloc((Tmax + 1) * 8), *hdb = malloc((Tmax + 1) * 8);
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t t0 = tc->lens ? cu[n] : n * T, len = tc->lens ? cu[n + 1] - cu[n] : T;
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t t = 0; t < len; t++) {
-                const double *qs = q + ((t0 + t) * H + h) * K, *ks = k + ((t0 + t) * H + h) * K;
-                double nq2 = 0, nk2 = 0;
-                for (int64_t i = 0; i < K; i++) { nq2 += qs[i] * qs[i]; nk2 += ks[i] * ks[i]; }
-                double fq = tc->l2 ? 1.0 / sqrt(nq2 + 1e-6) : 1.0, fk = tc->l2 ? 1.0 / sqrt(nk2 + 1e-6) : 1.0;
-                for (int64_t i = 0; i < K; i++) { hq[t * K + i] = qs[i] * fq; hk[t * K + i] = ks[i] * fk; }
-            }
-            memset(hdq, 0, (Tmax * K + 1) * 8);
-            memset(hdk, 0, (Tmax * K + 1) * 8);
-            for (int64_t j = h * G; j < (h + 1) * G; j++) {
-                for (int64_t t = 0; t < len; t++) {
-                    memcpy(hv + t * V, v + ((t0 + t) * HV + j) * V, V * 8);
-                    memcpy(hdo + t * V, dO + ((t0 + t) * HV + j) * V, V * 8);
-                    hg[t] = g[(t0 + t) * HV + j];
-                    hb[t] = beta[(t0 + t) * HV + j];
-                }
-                ref_head(len, K, V, scale, hq, hk, hv, hg, hb,
-                         tc->has_h0 ? h0 + (n * HV + j) * K * V : NULL, hdo,
-                         tc->has_dht ? dht + (n * HV + j) * K * V : NULL, hdq, hdk, hdv, hdg, hdb,
-                         rh0 + (n * HV + j) * K * V, S, u, dS);
-                for (int64_t t = 0; t < len; t++) {
-                    memcpy(rv + ((t0 + t) * HV + j) * V, hdv + t * V, V * 8);
-                    rg[(t0 + t) * HV + j] = hdg[t];
-                    rb[(t0 + t) * HV + j] = hdb[t];
-                }
-            }
-            for (int64_t t = 0; t < len; t++) {
-                for (int w = 0; w < 2; w++) {
-                    const double *x = (w ? k : q) + ((t0 + t) * H + h) * K;
-                    const double *d = (w ? hdk : hdq) + t * K;
-                    double *out = (w ? rk : rq) + ((t0 + t) * H + h) * K;
-                    if (tc->l2) { /* dq = (dq_hat - q_hat (q_hat . dq_hat)) / ||q|| */
-                        double n2 = 0, xd = 0;
-                        for (int64_t i = 0; i < K; i++) n2 += x[i] * x[i];
-                        const double r = 1.0 / sqrt(n2 + 1e-6);
-                        for (int64_t i = 0; i < K; i++) xd += x[i] * r * d[i];
-                        for (int64_t i = 0; i < K; i++) out[i] = (d[i] - x[i] * r * xd) * r;
-                    } else {
-                        memcpy(out, d, K * 8);
-                    }
-                }
-            }
-        }
-    }
+    fq_ref_backward(&p, q, k, v, g, beta, tc->has_h0 ? h0 : NULL, dO, tc->has_dht ? dht : NULL, rq, rk,
+                    rv, rg, rb, rh0);
 
     /* ---- compare ---- */
     double *oq = to_double(DQ, nq, tc->dt), *ok_ = to_double(DK, nq, tc->dt);
     double *ov = to_double(DV, nv, tc->dt), *og = to_double(DG, ng, tc->gdt);
     double *ob = to_double(DB, ng, tc->gdt), *oh = to_double(DH0, ns, sdt);
-    const double tol = tc->dt == FQ_F64 ? 1e-10 : tc->dt == FQ_F32 ? 1e-4 : 1e-2;
-    const double tol_g = (tc->dt == FQ_F16 || tc->dt == FQ_BF16) ? 2e-2 : tol;
-    double e[6] = {rel_err(oq, rq, nq), rel_err(ok_, rk, nq), rel_err(ov, rv, nv),
-                   rel_err(og, rg, ng), rel_err(ob, rb, ng),
-                   tc->has_h0 ? rel_err(oh, rh0, ns) : 0.0};
+    const double tol = fq_tolerance(tc->dt, FQ_TOL_GRAD), tol_g = fq_tolerance(tc->dt, FQ_TOL_DG);
+    double e[6] = {fq_ref_rel_error(oq, rq, nq), fq_ref_rel_error(ok_, rk, nq),
+                   fq_ref_rel_error(ov, rv, nv), fq_ref_rel_error(og, rg, ng),
+                   fq_ref_rel_error(ob, rb, ng), tc->has_h0 ? fq_ref_rel_error(oh, rh0, ns) : 0.0};
     double tols[6] = {tol, tol, tol, tol_g, tol, tol};
     int fail = 0;
     for (int i = 0; i < 6; i++)
@@ -345,8 +194,6 @@ static int run_case(const tcase *tc)
     free(Q); free(Kb); free(Vb); free(Gb); free(Bb); free(DO); free(H0); free(DHT);
     free(DQ); free(DK); free(DV); free(DG); free(DB); free(DH0);
     free(rq); free(rk); free(rv); free(rg); free(rb); free(rh0);
-    free(S); free(u); free(dS); free(hq); free(hk); free(hv); free(hdo); free(hg); free(hb);
-    free(hdq); free(hdk); free(hdv); free(hdg); free(hdb);
     free(oq); free(ok_); free(ov); free(og); free(ob); free(oh);
     return fail;
 }

@@ -1,6 +1,6 @@
 /* check_convert.c — exhaustive check of the fp16/bf16 conversions of gdn_cpu.h
  * against the compiler's _Float16 (GCC >= 12 on x86) and a double-based
- * bf16 rounding.  cc -O2 -march=native -I csrc dev/cpu/check_convert.c -o /tmp/cc && /tmp/cc */
+ * bf16 rounding.  make -C dev check_convert */
 #include "cpu/gdn_cpu.h"
 #include <math.h>
 #include <stdio.h>

@@ -2,19 +2,23 @@
  * check_cpu.c — standalone check of the CPU chunked forward and recurrent step
  * against a float64 token-by-token reference of DESIGN §1 (no Python).
  *
- *   cc -std=c11 -O2 -march=native -fno-math-errno -ffp-contract=fast -pthread \
- *      -I csrc dev/cpu/check_cpu.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c \
- *      csrc/cpu/gdn_cpu_fwd.c csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/check_cpu
- *   /tmp/check_cpu          (all cases)     /tmp/check_cpu small   (valgrind-sized)
+ *   make -C dev check_cpu        builds dev/build/check_cpu and runs it (all cases)
+ *   dev/build/check_cpu small    valgrind-sized cases
  *
- * valgrind has no AVX-512: build with -march=x86-64-v3 (portable kernels) and run
- *   valgrind --leak-check=full --error-exitcode=3 /tmp/check_cpu small
- * (AVX-512 paths: the same build with -fsanitize=address,undefined).
+ * valgrind has no AVX-512: build with `make -C dev CPU_ARCH=-march=x86-64-v3`
+ * (portable kernels) and run
+ *   valgrind --leak-check=full --error-exitcode=3 dev/build/check_cpu small
+ * (AVX-512 paths: `make -C dev SANITIZE=1`, -fsanitize=address,undefined).
  *
- * Outputs are NaN-poisoned before each call; rel = ||out - ref||_2 / ||ref||_2;
- * NaN/Inf never passes. Exit status 1 if any case fails.
+ * The reference is dev/cpu/reference.c (float64, token by token), the
+ * tolerances the project's table (flashqla/reference.py, as
+ * dev/build/tolerance.h). Outputs are NaN-poisoned before each call;
+ * rel = ||out - ref||_2 / ||ref||_2; NaN/Inf never passes. Exit status 1 if
+ * any case fails.
  */
 #include "cpu/gdn_cpu.h"
+#include "reference.h"
+#include "tolerance.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -83,81 +87,42 @@ static double softplus(double x) { return x > 20 ? x : log1p(exp(x)); }
 
 /* ------------------------------------------------ float64 reference ---- */
 
-/* Token-by-token recurrence (DESIGN §1) for every (n, j). init: [*, HV, K, V]
- * doubles or NULL (zeros), slot of sequence n in init/fin: slots[n] (or n if
- * slots == NULL); slot < 0 -> o rows 0, nothing else. fin may be NULL. */
+static double *to_f64(const void *base, fq_dtype dt, int64_t n)
+{
+    double *x = malloc((size_t)(n > 0 ? n : 1) * sizeof *x);
+    if (!x) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    fq_cpu_load_f64(x, base, dt, 0, n);
+    return x;
+}
+
+/* The reference (dev/cpu/reference.c) on the inputs in p, read as doubles.
+ * init: [*, HV, K, V] or NULL (zeros); slot of sequence n in init/fin:
+ * slots[n] (or n if slots == NULL); slot < 0 -> o rows 0, nothing else. */
 static void reference(const fq_gdn_params *p, const int64_t *slots, const double *init,
                       double *o, double *fin)
 {
-    const int64_t K = p->K, V = p->V, H = p->H, HV = p->HV;
-    double *S = malloc((size_t)(K * V) * sizeof *S);
-    double *q = malloc((size_t)K * sizeof *q), *k = malloc((size_t)K * sizeof *k);
-    double *sk = malloc((size_t)V * sizeof *sk);
-    for (int64_t n = 0; n < p->N; n++) {
-        int64_t row, first, len;
-        fq_cpu_seq_bounds(p, n, &row, &first, &len);
-        int64_t slot = slots ? slots[n] : n;
-        for (int64_t j = 0; j < HV; j++) {
-            int64_t h = j / (HV / H);
-            if (slot < 0) {
-                for (int64_t t = 0; t < len; t++)
-                    for (int64_t c = 0; c < V; c++) o[((row * p->T + first + t) * HV + j) * V + c] = 0;
-                continue;
-            }
-            if (init) memcpy(S, init + (slot * HV + j) * K * V, (size_t)(K * V) * sizeof *S);
-            else memset(S, 0, (size_t)(K * V) * sizeof *S);
-            for (int64_t t = 0; t < len; t++) {
-                int64_t tok = row * p->T + first + t;
-                double qq = 0, kk = 0;
-                for (int64_t i = 0; i < K; i++) {
-                    q[i] = fq_cpu_load1(p->q, p->dtype, (tok * H + h) * K + i);
-                    k[i] = fq_cpu_load1(p->k, p->dtype, (tok * H + h) * K + i);
-                    qq += q[i] * q[i];
-                    kk += k[i] * k[i];
-                }
-                if (p->use_qk_l2norm)
-                    for (int64_t i = 0; i < K; i++) {
-                        q[i] /= sqrt(qq + 1e-6);
-                        k[i] /= sqrt(kk + 1e-6);
-                    }
-                double alpha = exp(fq_cpu_load1(p->g, p->gate_dtype, tok * HV + j));
-                double beta = fq_cpu_load1(p->beta, p->gate_dtype, tok * HV + j);
-                for (int64_t c = 0; c < V; c++) {
-                    double s = 0;
-                    for (int64_t i = 0; i < K; i++) s += S[i * V + c] * k[i];
-                    /* u_t = beta (v_t - alpha S^T k_t) */
-                    sk[c] = beta * (fq_cpu_load1(p->v, p->dtype, (tok * HV + j) * V + c) - alpha * s);
-                }
-                /* S_t = alpha S_{t-1} + k_t u_t^T */
-                for (int64_t i = 0; i < K; i++)
-                    for (int64_t c = 0; c < V; c++) S[i * V + c] = alpha * S[i * V + c] + k[i] * sk[c];
-                /* o_t = scale S_t^T q_t */
-                for (int64_t c = 0; c < V; c++) {
-                    double s = 0;
-                    for (int64_t i = 0; i < K; i++) s += S[i * V + c] * q[i];
-                    o[(tok * HV + j) * V + c] = p->scale * s;
-                }
-            }
-            if (fin) memcpy(fin + (slot * HV + j) * K * V, S, (size_t)(K * V) * sizeof *S);
-        }
-    }
-    free(S);
+    const int64_t BT = p->B * p->T;
+    double *q = to_f64(p->q, p->dtype, BT * p->H * p->K), *k = to_f64(p->k, p->dtype, BT * p->H * p->K);
+    double *v = to_f64(p->v, p->dtype, BT * p->HV * p->V);
+    double *g = to_f64(p->g, p->gate_dtype, BT * p->HV), *b = to_f64(p->beta, p->gate_dtype, BT * p->HV);
+    fq_ref_forward(p, q, k, v, g, b, init, slots, o, fin);
     free(q);
     free(k);
-    free(sk);
+    free(v);
+    free(g);
+    free(b);
 }
 
 /* rel = ||out - ref|| / ||ref||; +Inf if out has NaN/Inf */
 static double rel_err(const void *out, fq_dtype dt, const double *ref, int64_t n)
 {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double x = fq_cpu_load1(out, dt, i);
-        if (!isfinite(x)) return INFINITY;
-        num += (x - ref[i]) * (x - ref[i]);
-        den += ref[i] * ref[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
+    double *x = to_f64(out, dt, n);
+    double e = fq_ref_rel_error(x, ref, n);
+    free(x);
+    return e;
 }
 
 /* ------------------------------------------------------------ cases ---- */
@@ -170,7 +135,6 @@ typedef struct {
     int64_t lens[8];
     int with_h0, with_ht, l2norm;
     double A_max;           /* per-head decay A_h from 0 .. A_max */
-    double tol;
     int cu64;
 } fq_case;
 
@@ -293,7 +257,7 @@ static void check_fwd(const fq_case *c, int nthreads)
     reference(p, NULL, c->with_h0 ? in.h0d : NULL, o_ref, s_ref);
     double e_o = rel_err(in.o, p->dtype, o_ref, On);
     double e_s = in.ht ? rel_err(in.ht, p->state_dtype, s_ref, SN) : 0;
-    report("fwd", c->name, e_o, e_s, c->tol);
+    report("fwd", c->name, e_o, e_s, fq_tolerance(c->dtype, FQ_TOL_OUT));
     free(o_ref);
     free(s_ref);
     free_inputs(&in);
@@ -335,7 +299,7 @@ static void check_recurrent(const fq_case *c, int nthreads, int indices64)
         double *o_ref = malloc((size_t)(On > 0 ? On : 1) * sizeof(double));
         reference(p, slots, pool_init, o_ref, pool_ref);
         report("recurrent", c->name, rel_err(in.o, p->dtype, o_ref, On),
-               rel_err(pool, p->state_dtype, pool_ref, P * per), c->tol);
+               rel_err(pool, p->state_dtype, pool_ref, P * per), fq_tolerance(c->dtype, FQ_TOL_OUT));
         free(o_ref);
 
         /* chunked forward on the same tokens from the same initial states
@@ -373,7 +337,7 @@ static void check_recurrent(const fq_case *c, int nthreads, int indices64)
                 for (int64_t i = 0; i < per; i++)
                     sref[n * per + i] = fq_cpu_load1(pool, p->state_dtype, (P - 1 - n) * per + i);
             report("fwd==rec", c->name, rel_err(o2, p->dtype, oref, On),
-                   rel_err(ht, p->state_dtype, sref, N * per), c->tol);
+                   rel_err(ht, p->state_dtype, sref, N * per), fq_tolerance(c->dtype, FQ_TOL_OUT));
             free(oref);
             free(sref);
         }
@@ -392,7 +356,7 @@ static void check_recurrent(const fq_case *c, int nthreads, int indices64)
 /* rejected shapes / dtypes: status and message, nothing written */
 static void check_errors(void)
 {
-    fq_case c = {"err", FQ_F32, FQ_F32, 1, 10, 1, 1, 64, 64, 0, {0}, 1, 1, 0, 1.0, 1e-4, 0};
+    fq_case c = {"err", FQ_F32, FQ_F32, 1, 10, 1, 1, 64, 64, 0, {0}, 1, 1, 0, 1.0, 0};
     int bad = 0;
     int64_t Ks[2][2] = {{8, 64}, {64, 300}};
     for (int i = 0; i < 2; i++) {
@@ -421,28 +385,27 @@ static void check_errors(void)
 int main(int argc, char **argv)
 {
     int small = argc > 1 && strcmp(argv[1], "small") == 0;
-    const double f32 = 1e-4, bf = 5e-3, f64 = 1e-11;
-    /* name, dtype, gate, B, T, H, HV, K, V, nseq, lens, h0, ht, l2norm, A_max, tol, cu64 */
+    /* name, dtype, gate, B, T, H, HV, K, V, nseq, lens, h0, ht, l2norm, A_max, cu64 */
     fq_case cases[] = {
-        {"f32 B2 T200 H2 HV2 K=V=64 h0 A16", FQ_F32, FQ_F32, 2, 200, 2, 2, 64, 64, 0, {0}, 1, 1, 0, 16, f32, 0},
-        {"f32 T200 GVA2 K=V=128 no h0 A0", FQ_F32, FQ_F32, 1, 200, 2, 4, 128, 128, 0, {0}, 0, 1, 0, 0, f32, 0},
-        {"f32 varlen 1,63,64,0,65,1000 GVA4", FQ_F32, FQ_F32, 1, 0, 1, 4, 64, 64, 6, {1, 63, 64, 0, 65, 1000}, 1, 1, 0, 8, f32, 0},
-        {"f32 varlen i64 GVA1 l2norm K=128 V=64", FQ_F32, FQ_F32, 1, 0, 2, 2, 128, 64, 4, {65, 0, 1, 130}, 1, 1, 1, 16, f32, 1},
-        {"f32 T300 K=V=256 h0 A4", FQ_F32, FQ_F32, 1, 300, 1, 2, 256, 256, 0, {0}, 1, 1, 0, 4, f32, 0},
-        {"f32 T1 B3 (decode-sized)", FQ_F32, FQ_F32, 3, 1, 2, 4, 128, 128, 0, {0}, 1, 1, 0, 16, f32, 0},
-        {"f32 T77 K=48 V=80 l2norm no ht", FQ_F32, FQ_F32, 1, 77, 1, 1, 48, 80, 0, {0}, 1, 0, 1, 2, f32, 0},
-        {"f32 T1000 K=V=128 A16 (strong decay)", FQ_F32, FQ_F32, 1, 1000, 1, 2, 128, 128, 0, {0}, 1, 1, 0, 16, f32, 0},
-        {"bf16 T200 GVA2 K=V=128 h0 A16", FQ_BF16, FQ_F32, 1, 200, 2, 4, 128, 128, 0, {0}, 1, 1, 0, 16, bf, 0},
-        {"bf16 gates bf16 varlen l2norm", FQ_BF16, FQ_BF16, 1, 0, 1, 2, 64, 64, 3, {100, 1, 70}, 1, 1, 1, 8, bf, 0},
-        {"f16 T130 K=V=64 h0", FQ_F16, FQ_F32, 1, 130, 1, 1, 64, 64, 0, {0}, 1, 1, 0, 8, bf, 0},
-        {"f64 T200 GVA2 K=128 V=64 h0 A16", FQ_F64, FQ_F64, 1, 200, 1, 2, 128, 64, 0, {0}, 1, 1, 0, 16, f64, 0},
-        {"f64 varlen l2norm gates f32", FQ_F64, FQ_F32, 1, 0, 1, 1, 64, 64, 3, {1, 0, 129}, 1, 1, 1, 4, f64, 0},
+        {"f32 B2 T200 H2 HV2 K=V=64 h0 A16", FQ_F32, FQ_F32, 2, 200, 2, 2, 64, 64, 0, {0}, 1, 1, 0, 16, 0},
+        {"f32 T200 GVA2 K=V=128 no h0 A0", FQ_F32, FQ_F32, 1, 200, 2, 4, 128, 128, 0, {0}, 0, 1, 0, 0, 0},
+        {"f32 varlen 1,63,64,0,65,1000 GVA4", FQ_F32, FQ_F32, 1, 0, 1, 4, 64, 64, 6, {1, 63, 64, 0, 65, 1000}, 1, 1, 0, 8, 0},
+        {"f32 varlen i64 GVA1 l2norm K=128 V=64", FQ_F32, FQ_F32, 1, 0, 2, 2, 128, 64, 4, {65, 0, 1, 130}, 1, 1, 1, 16, 1},
+        {"f32 T300 K=V=256 h0 A4", FQ_F32, FQ_F32, 1, 300, 1, 2, 256, 256, 0, {0}, 1, 1, 0, 4, 0},
+        {"f32 T1 B3 (decode-sized)", FQ_F32, FQ_F32, 3, 1, 2, 4, 128, 128, 0, {0}, 1, 1, 0, 16, 0},
+        {"f32 T77 K=48 V=80 l2norm no ht", FQ_F32, FQ_F32, 1, 77, 1, 1, 48, 80, 0, {0}, 1, 0, 1, 2, 0},
+        {"f32 T1000 K=V=128 A16 (strong decay)", FQ_F32, FQ_F32, 1, 1000, 1, 2, 128, 128, 0, {0}, 1, 1, 0, 16, 0},
+        {"bf16 T200 GVA2 K=V=128 h0 A16", FQ_BF16, FQ_F32, 1, 200, 2, 4, 128, 128, 0, {0}, 1, 1, 0, 16, 0},
+        {"bf16 gates bf16 varlen l2norm", FQ_BF16, FQ_BF16, 1, 0, 1, 2, 64, 64, 3, {100, 1, 70}, 1, 1, 1, 8, 0},
+        {"f16 T130 K=V=64 h0", FQ_F16, FQ_F32, 1, 130, 1, 1, 64, 64, 0, {0}, 1, 1, 0, 8, 0},
+        {"f64 T200 GVA2 K=128 V=64 h0 A16", FQ_F64, FQ_F64, 1, 200, 1, 2, 128, 64, 0, {0}, 1, 1, 0, 16, 0},
+        {"f64 varlen l2norm gates f32", FQ_F64, FQ_F32, 1, 0, 1, 1, 64, 64, 3, {1, 0, 129}, 1, 1, 1, 4, 0},
     };
     fq_case small_cases[] = {
-        {"f32 T70 K=V=32 h0", FQ_F32, FQ_F32, 1, 70, 1, 2, 32, 32, 0, {0}, 1, 1, 0, 4, f32, 0},
-        {"f32 varlen 1,0,65 K=16 V=48 l2norm", FQ_F32, FQ_F32, 1, 0, 1, 2, 16, 48, 3, {1, 0, 65}, 1, 1, 1, 8, f32, 0},
-        {"bf16 T9 K=V=32", FQ_BF16, FQ_F32, 2, 9, 1, 1, 32, 32, 0, {0}, 1, 1, 0, 4, bf, 0},
-        {"f64 T66 K=V=32", FQ_F64, FQ_F64, 1, 66, 1, 1, 32, 32, 0, {0}, 1, 1, 0, 4, f64, 0},
+        {"f32 T70 K=V=32 h0", FQ_F32, FQ_F32, 1, 70, 1, 2, 32, 32, 0, {0}, 1, 1, 0, 4, 0},
+        {"f32 varlen 1,0,65 K=16 V=48 l2norm", FQ_F32, FQ_F32, 1, 0, 1, 2, 16, 48, 3, {1, 0, 65}, 1, 1, 1, 8, 0},
+        {"bf16 T9 K=V=32", FQ_BF16, FQ_F32, 2, 9, 1, 1, 32, 32, 0, {0}, 1, 1, 0, 4, 0},
+        {"f64 T66 K=V=32", FQ_F64, FQ_F64, 1, 66, 1, 1, 32, 32, 0, {0}, 1, 1, 0, 4, 0},
     };
     fq_case *cs = small ? small_cases : cases;
     int ncs = small ? (int)(sizeof small_cases / sizeof *cs) : (int)(sizeof cases / sizeof *cs);
@@ -451,19 +414,19 @@ int main(int argc, char **argv)
 
     /* recurrent cases: decode T=1, multi-token verify T=4, varlen, l2norm, dtypes */
     fq_case rcases[] = {
-        {"f32 decode T1 N5 H2 HV4 K=V=128", FQ_F32, FQ_F32, 5, 1, 2, 4, 128, 128, 0, {0}, 0, 0, 0, 16, f32, 0},
-        {"f32 verify T4 N3 GVA2 K=128 V=64 l2norm", FQ_F32, FQ_F32, 3, 4, 1, 2, 128, 64, 0, {0}, 0, 0, 1, 8, f32, 0},
-        {"f32 varlen 3,1,0,8,70 K=V=64 A0", FQ_F32, FQ_F32, 1, 0, 1, 1, 64, 64, 5, {3, 1, 0, 8, 70}, 0, 0, 0, 0, f32, 0},
-        {"f32 T200 K=V=256 A16", FQ_F32, FQ_F32, 2, 200, 1, 1, 256, 256, 0, {0}, 0, 0, 0, 16, f32, 0},
-        {"f32 T5 K=48 V=80", FQ_F32, FQ_F32, 2, 5, 1, 1, 48, 80, 0, {0}, 0, 0, 0, 2, f32, 0},
-        {"bf16 decode T1 N4 GVA2", FQ_BF16, FQ_F32, 4, 1, 2, 4, 128, 128, 0, {0}, 0, 0, 0, 16, bf, 0},
-        {"bf16 gates bf16 T3 l2norm", FQ_BF16, FQ_BF16, 3, 3, 1, 2, 64, 64, 0, {0}, 0, 0, 1, 4, bf, 0},
-        {"f64 T6 N3 GVA2", FQ_F64, FQ_F64, 3, 6, 1, 2, 64, 32, 0, {0}, 0, 0, 0, 16, f64, 0},
+        {"f32 decode T1 N5 H2 HV4 K=V=128", FQ_F32, FQ_F32, 5, 1, 2, 4, 128, 128, 0, {0}, 0, 0, 0, 16, 0},
+        {"f32 verify T4 N3 GVA2 K=128 V=64 l2norm", FQ_F32, FQ_F32, 3, 4, 1, 2, 128, 64, 0, {0}, 0, 0, 1, 8, 0},
+        {"f32 varlen 3,1,0,8,70 K=V=64 A0", FQ_F32, FQ_F32, 1, 0, 1, 1, 64, 64, 5, {3, 1, 0, 8, 70}, 0, 0, 0, 0, 0},
+        {"f32 T200 K=V=256 A16", FQ_F32, FQ_F32, 2, 200, 1, 1, 256, 256, 0, {0}, 0, 0, 0, 16, 0},
+        {"f32 T5 K=48 V=80", FQ_F32, FQ_F32, 2, 5, 1, 1, 48, 80, 0, {0}, 0, 0, 0, 2, 0},
+        {"bf16 decode T1 N4 GVA2", FQ_BF16, FQ_F32, 4, 1, 2, 4, 128, 128, 0, {0}, 0, 0, 0, 16, 0},
+        {"bf16 gates bf16 T3 l2norm", FQ_BF16, FQ_BF16, 3, 3, 1, 2, 64, 64, 0, {0}, 0, 0, 1, 4, 0},
+        {"f64 T6 N3 GVA2", FQ_F64, FQ_F64, 3, 6, 1, 2, 64, 32, 0, {0}, 0, 0, 0, 16, 0},
     };
     fq_case rsmall[] = {
-        {"f32 T3 N3 K=V=32", FQ_F32, FQ_F32, 3, 3, 1, 2, 32, 32, 0, {0}, 0, 0, 0, 4, f32, 0},
-        {"f32 varlen 2,0,5 K=16 V=48 l2norm", FQ_F32, FQ_F32, 1, 0, 1, 1, 16, 48, 3, {2, 0, 5}, 0, 0, 1, 4, f32, 0},
-        {"f64 T2 N2", FQ_F64, FQ_F64, 2, 2, 1, 1, 32, 32, 0, {0}, 0, 0, 0, 4, f64, 0},
+        {"f32 T3 N3 K=V=32", FQ_F32, FQ_F32, 3, 3, 1, 2, 32, 32, 0, {0}, 0, 0, 0, 4, 0},
+        {"f32 varlen 2,0,5 K=16 V=48 l2norm", FQ_F32, FQ_F32, 1, 0, 1, 1, 16, 48, 3, {2, 0, 5}, 0, 0, 1, 4, 0},
+        {"f64 T2 N2", FQ_F64, FQ_F64, 2, 2, 1, 1, 32, 32, 0, {0}, 0, 0, 0, 4, 0},
     };
     cs = small ? rsmall : rcases;
     ncs = small ? (int)(sizeof rsmall / sizeof *cs) : (int)(sizeof rcases / sizeof *cs);

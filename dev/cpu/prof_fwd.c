@@ -1,8 +1,6 @@
 /* prof_fwd.c — single-thread CPU-time of the chunked forward / recurrent
  * (process CPU time, so a busy machine distorts less than wall time).
- * cc -std=c11 -O3 -march=native -fno-math-errno -ffp-contract=fast -pthread -I csrc \
- *    dev/cpu/prof_fwd.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c csrc/cpu/gdn_cpu_fwd.c \
- *    csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/prof_fwd */
+ * make -C dev prof   (builds dev/build/prof_fwd and runs it) */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu/gdn_cpu.h"
 #include <stdio.h>

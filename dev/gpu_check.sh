@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: THE script run on the GPU machine (H200). It builds flashqla with its
+# dev/gpu_check.sh: THE script run on the GPU machine (H200). It builds flashqla with its
 # CUDA backend, runs the GPU tests, compute-sanitizer (memcheck, racecheck) on a tiny run,
 # then the side-by-side benchmark against FLA, and prints a short ratio table LAST.
 #
-#   bash scripts/gpu_check.sh [--quick] [--no-bench] [--no-tests] [--no-sanitizer] [--all-tests]
+#   bash dev/gpu_check.sh [--quick] [--no-bench] [--no-tests] [--no-sanitizer] [--all-tests]
 #
 #   --quick         fewer timing replays, racecheck on the quick case set
 #   --all-tests     the whole test suite instead of the tests marked gpu
