@@ -17,6 +17,20 @@
  * with q/k head h = j / (HV / H) (grouped value heads), S_0 = h0[n, j] (zeros
  * when h0 is NULL) and S_T the final state ht[n, j].
  *
+ * Full resets: a gate g_t <= FQ_GATE_RESET (-inf included) means alpha_t = 0
+ * exactly (e^-100 < 4e-44 is below float's normal range anyway). The chunked
+ * backends never form gamma_r - gamma_s across a reset (that would be
+ * -inf - -inf): inside a chunk, with z_r the last reset at or before local
+ * row r (-1 if none) and gamma_r = sum of g_u over z_r < u <= r (a cumsum that
+ * restarts after each reset, always finite),
+ *
+ *     Gamma_rs           = z_r == z_s  ? e^{gamma_r - gamma_s}  : 0   (r >= s)
+ *     e^{gamma_r}        = z_r == -1   ? e^{gamma_r}            : 0
+ *     e^{gamma_C - gamma_r} = z_C == z_r ? e^{gamma_C - gamma_r} : 0
+ *
+ * and in the backward dg_u = 0 at a reset u, while the reverse cumsum that
+ * turns dgamma into dg restarts at every reset.
+ *
  * Layouts (all row-major and contiguous; the binding rejects anything else):
  *
  *     q, k, dq, dk        [B, T, H,  K]    dtype  p->dtype
@@ -44,6 +58,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* A gate at or below this is a full reset (alpha = 0; see the top of this file). */
+#define FQ_GATE_RESET (-100.0)
 
 typedef enum {
     FQ_OK = 0,

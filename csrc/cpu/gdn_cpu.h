@@ -11,6 +11,8 @@
  *   fq_cpu_l2norm_f32/_f64 x <- x / sqrt(sum x^2 + 1e-6)
  *   fq_cpu_index           read entry i of an int32/int64 index array
  *   fq_cpu_gemm_f32/_f64   C = cscale*C + A.B, register-blocked micro-kernel
+ *   fq_cpu_trmm_*          the same for a triangular A, exactly (gdn_cpu_trmm.c)
+ *   fq_cpu_gate_scan       chunk-local cumulative gate with full resets
  *   fq_cpu_expf            vectorisable float exp
  *
  * The definitions live in gdn_cpu_common.c (owner: cpu-fwd helper).
@@ -180,21 +182,58 @@ void fq_cpu_l2norm_f64(double *x, int64_t n);
 
 /* C[m x n] = (load_c ? cscale * C : 0) + A[m x k] . B[k x n], all row-major
  * with leading dimensions lda, ldb, ldc (elements). A must not alias C.
- * tri = FQ_TRI_NONE: the full product.
- * tri = FQ_TRI_K:    B's row p is taken as zero for p > the last row of the
- *                    current 8-row block of C (A lower-triangular: the
- *                    product only sums p <= i rounded up to the block).
+ * tri = FQ_TRI_NONE: the full product (a triangular A: fq_cpu_trmm_*).
  * tri = FQ_TRI_N:    only columns j <= i (rounded up to a 32-column tile) of
  *                    C are needed; others may be left unwritten.
  * Fast path (AVX-512 register-blocked 8 x 32 micro-kernel) when m % 8 == 0 and
  * n % 32 == 0; any m, n, k work. */
-enum { FQ_TRI_NONE = 0, FQ_TRI_K = 1, FQ_TRI_N = 2 };
+enum { FQ_TRI_NONE = 0, FQ_TRI_N = 2 };
 void fq_cpu_gemm_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda,
                      const float *B, int64_t ldb, float *C, int64_t ldc, float cscale,
                      int load_c, int tri);
 void fq_cpu_gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t lda,
                      const double *B, int64_t ldb, double *C, int64_t ldc, double cscale,
                      int load_c, int tri);
+
+/* ------------------------------------------------ gates with resets ---- */
+
+/* The chunk-local gate scan of gdn.h ("Full resets"): on entry gam[r] = g_r,
+ * on exit gam[r] = sum of g_u over z_r < u <= r and seg[r] = z_r, the last
+ * u <= r with g_u <= FQ_GATE_RESET (-1 if none). A NaN gate is no reset: it
+ * makes the rest of its segment NaN, as in the token recurrence. */
+static inline void fq_cpu_gate_scan(double *gam, int *seg, int64_t n)
+{
+    double acc = 0;
+    int z = -1;
+    for (int64_t r = 0; r < n; r++) {
+        if (gam[r] <= FQ_GATE_RESET) {
+            z = (int)r;
+            acc = 0;
+        } else {
+            acc += gam[r];
+        }
+        gam[r] = acc;
+        seg[r] = z;
+    }
+}
+
+/* ------------------------------------------------ triangular products ---- */
+
+/* C[m x n] = (load_c ? cscale * C : 0) + A.B for a lower-triangular A
+ * (lower: row i sums p <= i) or an upper-triangular A (upper: p >= i), row
+ * major, A square m x m. Exactly triangular: the entries of A outside the
+ * triangle are never read and the rows of B they would meet never reach row i
+ * of C, so a NaN in B's row p stays out of the rows that do not depend on it
+ * (causality; 0 * NaN would not). The off-diagonal 8-row blocks run on
+ * fq_cpu_gemm_*, the diagonal blocks as row axpys (gdn_cpu_trmm.c). */
+void fq_cpu_trmm_lower_f32(int64_t m, int64_t n, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float *C, int64_t ldc, float cscale, int load_c);
+void fq_cpu_trmm_lower_f64(int64_t m, int64_t n, const double *A, int64_t lda, const double *B,
+                           int64_t ldb, double *C, int64_t ldc, double cscale, int load_c);
+void fq_cpu_trmm_upper_f32(int64_t m, int64_t n, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float *C, int64_t ldc, float cscale, int load_c);
+void fq_cpu_trmm_upper_f64(int64_t m, int64_t n, const double *A, int64_t lda, const double *B,
+                           int64_t ldb, double *C, int64_t ldc, double cscale, int load_c);
 
 /* ---------------------------------------------------------------- exp ---- */
 

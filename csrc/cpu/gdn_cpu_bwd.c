@@ -51,6 +51,9 @@
  *            + sum_{s<r} E2_rs - sum_{s>r} E2_sr      E2 = dL o L
  *     t_r    = kd_r k_r.(Vn dS'^T)_r
  *     dg_m   = sum_{r>=m} dgam_r + sum_{r<m} t_r
+ *            = sum_{r>=m} dgam'_r + sum_{r>=m} sum_{s<m} (E + E2)_rs + sum_{r<m} t_r
+ *              (dgam' = dgam without the E, E2 terms: those cancel for pairs
+ *              r > s >= m, and are summed as the crossing sum, never cancelled)
  *
  *   The kd terms go straight to dg as the exclusive prefix sum of t (kd_r
  *   depends on g_m for m > r), and the diagonal of E is left out (Gam_rr = 1):
@@ -72,10 +75,14 @@
  *   - W and Kb are kept negated (Wn = -W = A Kbn, Kbn = -diag(b eg) K), so
  *     every product is C = s C + A B on fq_cpu_gemm_*; dWn = dVn S^T,
  *     dKbn = A^T dWn, dA = dU Vb^T + dWn Kbn^T (same dA as above).
- *   - products with a lower-triangular left factor use FQ_TRI_K, those with
- *     an upper-triangular one (P^T, M^T, A^T, Bm^T) one GEMM per 8-row block
- *     over rows p >= the block (gemm_upper); the C^3 steps of A and dL are
- *     row axpys.
+ *   - products with a triangular left factor (A, M, Bm; P^T, M^T, A^T, Bm^T)
+ *     run on fq_cpu_trmm_lower/_upper, and the C^3 steps of A and dL are row
+ *     axpys over the triangle only: nothing multiplies a structural zero,
+ *     so a NaN at one token reaches only the gradients that depend on it
+ *     (dq_r: tokens <= r; dk_r, dv_r, ...: as the token recurrence says).
+ *   - full resets (g <= FQ_GATE_RESET, gdn.h): gam restarts after each,
+ *     Gam, eg, kd are 0 across one, dg = 0 at one and the reverse cumsum of
+ *     dgam restarts there.
  *   - gam is summed in double also for float inputs: under strong decay gam
  *     reaches ~ -1e3 inside a chunk, and a float gam_r - gam_s would lose
  *     ~1e-4 of the exponent (dg error 4e-5 -> 3e-7 in the fp32 test).

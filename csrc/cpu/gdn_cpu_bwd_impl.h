@@ -24,6 +24,8 @@
 #define FQ_STORE FQ_CAT2(fq_cpu_store, FQ_SFX)
 #define FQ_L2NORM FQ_CAT2(fq_cpu_l2norm, FQ_SFX)
 #define FQ_GEMM FQ_CAT2(fq_cpu_gemm, FQ_SFX)
+#define FQ_TRMM_LOWER FQ_CAT2(fq_cpu_trmm_lower, FQ_SFX)
+#define FQ_TRMM_UPPER FQ_CAT2(fq_cpu_trmm_upper, FQ_SFX)
 
 #define CH FQ_BWD_CHUNK
 
@@ -43,6 +45,7 @@ typedef struct {
     REAL *eg, *kd, *bc, *gc, *dgam, *tk, *db; /* [C]                             */
     REAL *rowK, *rowK2, *tmp; /* [max(K, V, C)]                                  */
     double gamd[CH];          /* gam in double: gam_r - gam_s stays exact-ish      */
+    int seg[CH];              /* seg[r]: the last full reset at or before row r (-1) */
 } FN(bwd_ws);
 
 /* Number of REAL elements one thread's scratch needs (each buffer rounded up
@@ -111,6 +114,55 @@ static inline void FN(row_axpy)(REAL *restrict y, const REAL *restrict a, const 
     }
 }
 
+/* y[s] += sum_{m < p1} a[m] * B[m][s] over the lower triangle s <= m only
+ * (B lower-triangular: its zeros above the diagonal are never multiplied, so a
+ * NaN in a[m] stays out of y[s] for s > m). Rows m0..m0+3 share s <= m0. */
+static inline void FN(row_axpy_lower)(REAL *restrict y, const REAL *restrict a,
+                                      const REAL *restrict B, int64_t ldb, int64_t p1)
+{
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p1; m0 += 4) {
+        const REAL a0 = a[m0], a1 = a[m0 + 1], a2 = a[m0 + 2], a3 = a[m0 + 3];
+        const REAL *restrict b0 = B + m0 * ldb;
+        const REAL *restrict b1 = b0 + ldb;
+        const REAL *restrict b2 = b1 + ldb;
+        const REAL *restrict b3 = b2 + ldb;
+        for (int64_t s = 0; s <= m0; s++) y[s] += a0 * b0[s] + a1 * b1[s] + a2 * b2[s] + a3 * b3[s];
+        y[m0 + 1] += a1 * b1[m0 + 1] + a2 * b2[m0 + 1] + a3 * b3[m0 + 1];
+        y[m0 + 2] += a2 * b2[m0 + 2] + a3 * b3[m0 + 2];
+        y[m0 + 3] += a3 * b3[m0 + 3];
+    }
+    for (int64_t m = m0; m < p1; m++) {
+        const REAL am = a[m];
+        const REAL *restrict bm = B + m * ldb;
+        for (int64_t s = 0; s <= m; s++) y[s] += am * bm[s];
+    }
+}
+
+/* y[s] += sum_{m < p1} a[m] * B[m][s] over the upper triangle m <= s < n only
+ * (B upper-triangular; as above). Rows m0..m0+3 share s >= m0 + 3. */
+static inline void FN(row_axpy_upper)(REAL *restrict y, const REAL *restrict a,
+                                      const REAL *restrict B, int64_t ldb, int64_t p1, int64_t n)
+{
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p1 && m0 + 3 < n; m0 += 4) {
+        const REAL a0 = a[m0], a1 = a[m0 + 1], a2 = a[m0 + 2], a3 = a[m0 + 3];
+        const REAL *restrict b0 = B + m0 * ldb;
+        const REAL *restrict b1 = b0 + ldb;
+        const REAL *restrict b2 = b1 + ldb;
+        const REAL *restrict b3 = b2 + ldb;
+        y[m0] += a0 * b0[m0];
+        y[m0 + 1] += a0 * b0[m0 + 1] + a1 * b1[m0 + 1];
+        y[m0 + 2] += a0 * b0[m0 + 2] + a1 * b1[m0 + 2] + a2 * b2[m0 + 2];
+        for (int64_t s = m0 + 3; s < n; s++) y[s] += a0 * b0[s] + a1 * b1[s] + a2 * b2[s] + a3 * b3[s];
+    }
+    for (int64_t m = m0; m < p1; m++) {
+        const REAL am = a[m];
+        const REAL *restrict bm = B + m * ldb;
+        for (int64_t s = m; s < n; s++) y[s] += am * bm[s];
+    }
+}
+
 /* a . b with 16 partial sums (vectorises; the order of the sum differs from
  * a plain loop, which the tests allow) */
 static inline REAL FN(dot)(const REAL *restrict a, const REAL *restrict b, int64_t n)
@@ -128,19 +180,6 @@ static inline REAL FN(dot)(const REAL *restrict a, const REAL *restrict b, int64
 static inline void FN(zero)(REAL *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++) x[i] = 0;
-}
-
-/* C[m x n] = (load_c ? cscale C : 0) + A B for an upper-triangular square A
- * (m x m, zero below the diagonal): one GEMM per 8-row block of C over the
- * rows p >= the block's first row of B. */
-static void FN(gemm_upper)(int64_t m, int64_t n, const REAL *A, int64_t lda, const REAL *B,
-                           int64_t ldb, REAL *C, int64_t ldc, REAL cscale, int load_c)
-{
-    for (int64_t i0 = 0; i0 < m; i0 += 8) {
-        const int64_t mr = m - i0 < 8 ? m - i0 : 8;
-        FQ_GEMM(mr, n, m - i0, A + i0 * lda + i0, lda, B + i0 * ldb, ldb, C + i0 * ldc, ldc,
-                cscale, load_c, FQ_TRI_NONE);
-    }
 }
 
 /* dst[j][i] = src[i][j] for i < rows, j < cols  (src stride lds, dst stride
@@ -196,16 +235,16 @@ static void FN(load_chunk)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t tok0, 
     }
     /* gam_r = sum_{s <= r} g_s, kept in double even for float: with strong
      * decay gam reaches ~ -1e3 within a chunk, and a float gam_r - gam_s
-     * would lose ~1e-4 of the exponent */
-    double acc = 0;
-    for (int64_t r = 0; r < c; r++) {
-        acc += (double)w->gc[r];
-        w->gamd[r] = acc;
-    }
+     * would lose ~1e-4 of the exponent. The sum restarts after each full
+     * reset g <= FQ_GATE_RESET (gdn.h): e^gam_r = 0 after a reset in 0..r,
+     * e^(gC - gam_r) = 0 with a reset in r+1..c-1, never -inf - -inf. */
+    for (int64_t r = 0; r < c; r++) w->gamd[r] = (double)w->gc[r];
+    fq_cpu_gate_scan(w->gamd, w->seg, c);
     const double gC = w->gamd[c - 1];
+    const int sC = w->seg[c - 1];
     for (int64_t r = 0; r < c; r++) {
-        w->eg[r] = (REAL)exp(w->gamd[r]);
-        w->kd[r] = (REAL)exp(gC - w->gamd[r]);
+        w->eg[r] = w->seg[r] < 0 ? (REAL)exp(w->gamd[r]) : (REAL)0;
+        w->kd[r] = w->seg[r] == sC ? (REAL)exp(gC - w->gamd[r]) : (REAL)0;
     }
     FN(transpose)(w->Kt, CH, w->Kc, K, c, K);
     if (with_q_do) FN(transpose)(w->Qt, CH, w->Q, K, c, K);
@@ -223,7 +262,11 @@ static void FN(chunk_local)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t c, in
     for (int64_t r = 0; r < c; r++) {
         REAL *gr = w->Gam + r * CH;
         const double gr_ = w->gamd[r];
-        for (int64_t s = 0; s <= r; s++) gr[s] = FQ_EXP((REAL)(gr_ - w->gamd[s]));
+        const int sr = w->seg[r];
+        for (int64_t s = 0; s <= r; s++) { /* 0 across a full reset */
+            const REAL e = FQ_EXP((REAL)(gr_ - w->gamd[s]));
+            gr[s] = w->seg[s] == sr ? e : (REAL)0;
+        }
         for (int64_t s = r + 1; s < c; s++) gr[s] = 0;
     }
     /* KK[r][s] = k_r . k_s (s < r used);  L[r][s] = b_r KK[r][s] Gam[r][s] */
@@ -234,11 +277,14 @@ static void FN(chunk_local)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t c, in
         for (int64_t s = 0; s < r; s++) l[s] = w->bc[r] * kk[s] * gr[s];
         for (int64_t s = r; s < c; s++) l[s] = 0;
     }
-    /* A = (I + L)^-1 by forward substitution: A[r] = e_r - sum_{m<r} L[r][m] A[m] */
+    /* A = (I + L)^-1 by forward substitution: A[r] = e_r - sum_{m<r} L[r][m] A[m],
+     * each A[m] only over its columns 0..m (A is lower-triangular: L[r][m] never
+     * meets the zeros of A[m], so a NaN in L[r][m] stays out of A[r][s] for
+     * s > m, which do not depend on token m) */
     for (int64_t r = 0; r < c; r++) {
         REAL *a = w->Am + r * CH;
         FN(zero)(a, c);
-        FN(row_axpy)(a, w->Lm + r * CH, w->Am, CH, 0, r, r);
+        FN(row_axpy_lower)(a, w->Lm + r * CH, w->Am, CH, r);
         for (int64_t s = 0; s < r; s++) a[s] = -a[s];
         a[r] = 1;
     }
@@ -248,8 +294,8 @@ static void FN(chunk_local)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t c, in
         for (int64_t i = 0; i < K; i++) w->Kb[r * K + i] = be * w->Kc[r * K + i];
         for (int64_t i = 0; i < V; i++) w->Vb[r * V + i] = b * w->Vc[r * V + i];
     }
-    FQ_GEMM(c, K, c, w->Am, CH, w->Kb, K, w->W, K, 0, 0, FQ_TRI_K);
-    if (with_u) FQ_GEMM(c, V, c, w->Am, CH, w->Vb, V, w->Vn, V, 0, 0, FQ_TRI_K);
+    FQ_TRMM_LOWER(c, K, w->Am, CH, w->Kb, K, w->W, K, 0, 0);
+    if (with_u) FQ_TRMM_LOWER(c, V, w->Am, CH, w->Vb, V, w->Vn, V, 0, 0);
 }
 
 /* Vn = U - W S = U + Wn S   (U is in w->Vn already) */
@@ -293,7 +339,7 @@ static void FN(chunk_bwd)(const fq_gdn_params *p, FN(bwd_ws) *w, const REAL *S, 
     FQ_GEMM(c, V, K, w->Kc, K, w->dS, V, w->dVn, V, 0, 0, FQ_TRI_NONE);
     for (int64_t r = 0; r < c; r++)
         for (int64_t i = 0; i < V; i++) w->dVn[r * V + i] *= w->kd[r];
-    FN(gemm_upper)(c, V, w->Pt, CH, w->dO, V, w->dVn, V, 1, 1);
+    FQ_TRMM_UPPER(c, V, w->Pt, CH, w->dO, V, w->dVn, V, 1, 1);
     /* dS = e^gC dS' + scale (diag(e^gam) Q)^T dO - W^T dVn   (the last term,
      * + Wn^T dVn, from fwd: Vn = U - W S) */
     for (int64_t i = 0; i < K; i++)              /* Qt -> scale (diag(e^gam) Q)^T */
@@ -332,23 +378,18 @@ static void FN(chunk_bwd)(const fq_gdn_params *p, FN(bwd_ws) *w, const REAL *S, 
     FQ_GEMM(c, K, V, w->dVn, V, w->St, K, w->dW, K, 0, 0, FQ_TRI_NONE);
 
     /* fwd: P_rs = (q_r . k_s) Gam_rs  ->  with M = dP o Gam: dQ += M K, dK += M^T Q;
-     * Gam_rs = exp(gam_r - gam_s): dgam_r += E_rs, dgam_s -= E_rs, E = dP o P
-     * (off the diagonal only: Gam_rr = 1 does not depend on g) */
+     * Gam_rs = exp(gam_r - gam_s) gives dgam_r += E_rs, dgam_s -= E_rs with
+     * E = dP o P (off the diagonal only: Gam_rr = 1 does not depend on g);
+     * E is kept in P (no longer needed) and reaches dg as a crossing sum (end) */
     for (int64_t r = 0; r < c; r++) {
-        REAL *dp = w->dP + r * CH;
-        const REAL *pr = w->P + r * CH, *gr = w->Gam + r * CH;
-        REAL rs = 0;
-        for (int64_t s = 0; s < r; s++) {
-            const REAL e = dp[s] * pr[s];
-            rs += e;
-            dgam[s] -= e;
-        }
-        dgam[r] += rs;
+        REAL *dp = w->dP + r * CH, *pr = w->P + r * CH;
+        const REAL *gr = w->Gam + r * CH;
+        for (int64_t s = 0; s < r; s++) pr[s] *= dp[s];  /* P -> E */
         for (int64_t s = 0; s <= r; s++) dp[s] *= gr[s]; /* dP -> M */
     }
     FN(transpose)(w->Mt, CH, w->dP, CH, c, c);              /* Mt = M^T */
-    FQ_GEMM(c, K, c, w->dP, CH, w->Kc, K, w->dQ, K, 1, 1, FQ_TRI_K);
-    FN(gemm_upper)(c, K, w->Mt, CH, w->Q, K, w->dK, K, 1, 1);
+    FQ_TRMM_LOWER(c, K, w->dP, CH, w->Kc, K, w->dQ, K, 1, 1);
+    FQ_TRMM_UPPER(c, K, w->Mt, CH, w->Q, K, w->dK, K, 1, 1);
 
     /* fwd: U = A Vb, Wn = A Kbn  ->  dA = dVn Vb^T + dWn Kbn^T (its strict lower
      * part is all that reaches L), dVb = A^T dVn, dKbn = A^T dWn */
@@ -357,8 +398,8 @@ static void FN(chunk_bwd)(const fq_gdn_params *p, FN(bwd_ws) *w, const REAL *S, 
     FQ_GEMM(c, c, V, w->dVn, V, w->VbT, CH, w->dA, CH, 0, 0, FQ_TRI_N);
     FQ_GEMM(c, c, K, w->dW, K, w->KbT, CH, w->dA, CH, 1, 1, FQ_TRI_N);
     FN(transpose)(w->At, CH, w->Am, CH, c, c);
-    FN(gemm_upper)(c, V, w->At, CH, w->dVn, V, w->dVb, V, 0, 0);
-    FN(gemm_upper)(c, K, w->At, CH, w->dW, K, w->dKb, K, 0, 0);
+    FQ_TRMM_UPPER(c, V, w->At, CH, w->dVn, V, w->dVb, V, 0, 0);
+    FQ_TRMM_UPPER(c, K, w->At, CH, w->dW, K, w->dKb, K, 0, 0);
     /* fwd: Vb = diag(b) V  ->  dV = diag(b) dVb, db_r = v_r . dVb_r
      * fwd: Kbn = -diag(b e^gam) K  ->  dK -= diag(b e^gam) dKbn,
      *      t2_r = e^gam_r k_r . dKb_r = -e^gam_r k_r . dKbn_r: db_r += t2_r, dgam_r += b_r t2_r */
@@ -376,7 +417,8 @@ static void FN(chunk_bwd)(const fq_gdn_params *p, FN(bwd_ws) *w, const REAL *S, 
     }
 
     /* fwd: A = (I + L)^-1  ->  dL = -strict_lower(A^T dA A^T)
-     * T1 = A^T dA (columns m < row needed), dL[r][0:r] = -sum_m T1[r][m] A^T[m][0:r] */
+     * T1 = A^T dA (columns m < row needed), dL[r][0:r] = -sum_m T1[r][m] A^T[m][0:r],
+     * A^T[m][s] = A[s][m] only over s >= m (exactly triangular: see A above) */
     for (int64_t s = 0; s < c; s++) {
         REAL *y = w->T1 + s * CH;
         FN(zero)(y, c);
@@ -385,41 +427,60 @@ static void FN(chunk_bwd)(const fq_gdn_params *p, FN(bwd_ws) *w, const REAL *S, 
     for (int64_t r = 0; r < c; r++) {
         REAL *y = w->dL + r * CH;
         FN(zero)(y, c);
-        FN(row_axpy)(y, w->T1 + r * CH, w->At, CH, 0, r, r);
+        FN(row_axpy_upper)(y, w->T1 + r * CH, w->At, CH, r, r);
         for (int64_t s = 0; s < r; s++) y[s] = -y[s];
     }
     /* fwd: L_rs = b_r (k_r . k_s) Gam_rs (r > s)  ->  with G = dL o Gam and
      * Bm = diag(b) G:  dK += Bm K + Bm^T K,  db_r += sum_s G_rs KK_rs,
-     * E2 = dL o L: dgam_r += E2_rs, dgam_s -= E2_rs */
+     * E2 = dL o L: dgam_r += E2_rs, dgam_s -= E2_rs (added to E in P) */
     for (int64_t r = 0; r < c; r++) {
-        REAL *y = w->dL + r * CH;
+        REAL *y = w->dL + r * CH, *e = w->P + r * CH;
         const REAL *gr = w->Gam + r * CH, *kk = w->KK + r * CH, *l = w->Lm + r * CH;
-        REAL dbr = 0, rs = 0;
+        REAL dbr = 0;
         for (int64_t s = 0; s < r; s++) {
             const REAL G = y[s] * gr[s];
-            const REAL e2 = y[s] * l[s];
             dbr += G * kk[s];
-            rs += e2;
-            dgam[s] -= e2;
+            e[s] += y[s] * l[s];
             y[s] = w->bc[r] * G; /* dL -> Bm */
         }
         w->db[r] += dbr;
-        dgam[r] += rs;
     }
     FN(transpose)(w->Mt, CH, w->dL, CH, c, c);              /* Mt = Bm^T */
-    FQ_GEMM(c, K, c, w->dL, CH, w->Kc, K, w->dK, K, 1, 1, FQ_TRI_K);
-    FN(gemm_upper)(c, K, w->Mt, CH, w->Kc, K, w->dK, K, 1, 1);
+    FQ_TRMM_LOWER(c, K, w->dL, CH, w->Kc, K, w->dK, K, 1, 1);
+    FQ_TRMM_UPPER(c, K, w->Mt, CH, w->Kc, K, w->dK, K, 1, 1);
 
-    /* fwd: gam = cumsum(g) in the chunk  ->  dg = reverse cumsum(dgam),
-     * plus the kd terms: dg_m += sum_{r<m} t_r (see dK above) */
+    /* fwd: gam = cumsum(g) in the chunk  ->  dg_m = sum_{r>=m} dgam_r.
+     * The pair terms (E = E + E2 in P: +E_rs at r, -E_rs at s < r) enter as the
+     * crossing sum X_m = sum_{r>=m} sum_{s<m} E_rs, their exact value: the
+     * reverse cumsum of +E_rs - E_rs would cancel them in rounding (NaN - NaN
+     * when a NaN at token s >= m can play no part in dg_m).
+     * Column suffix sums in place: E_rs <- sum_{r'>=r} E_r's (s < r). */
+    for (int64_t r = c - 2; r >= 1; r--) {
+        REAL *restrict e = w->P + r * CH;
+        const REAL *restrict e1 = w->P + (r + 1) * CH;
+        for (int64_t s = 0; s < r; s++) e[s] += e1[s];
+    }
+    /* Full resets (gdn.h): gam restarts after a reset u (gam_u = 0 is no
+     * function of any g), so the reverse cumsum restarts there and dg_u = 0
+     * (alpha_u = 0 exactly); E_rs = 0 across a reset (Gam_rs = 0), and so is
+     * t_r where kd_r = 0: the kd terms dg_m += sum_{r<m} t_r (see dK above)
+     * cross no reset either. */
     REAL acc = 0;
     for (int64_t r = c - 1; r >= 0; r--) {
+        if (w->seg[r] == (int)r) {
+            dgam[r] = 0;
+            acc = 0;
+            continue;
+        }
+        const REAL *e = w->P + r * CH;
+        REAL x = 0;
+        for (int64_t s = 0; s < r; s++) x += e[s];
         acc += dgam[r];
-        dgam[r] = acc;
+        dgam[r] = acc + x;
     }
     acc = 0;
     for (int64_t r = 0; r < c; r++) {
-        dgam[r] += acc;
+        if (w->seg[r] != (int)r) dgam[r] += acc;
         acc += w->tk[r];
     }
 }
@@ -638,6 +699,8 @@ done:
 #undef CH
 #undef FQ_L2NORM
 #undef FQ_GEMM
+#undef FQ_TRMM_LOWER
+#undef FQ_TRMM_UPPER
 #undef FQ_EXP
 #undef FQ_STORE
 #undef FQ_LOAD

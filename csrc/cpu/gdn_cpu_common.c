@@ -254,7 +254,6 @@ void fq_cpu_gemm_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t ld
             int64_t last_row = i0 + mr - 1;
             if (tri == FQ_TRI_N && j0 > last_row) continue;
             int64_t kc = k;
-            if (tri == FQ_TRI_K) kc = (i0 + FQ_GEMM_MR < k) ? i0 + FQ_GEMM_MR : k;
             const float *a = A + i0 * lda;
             const float *b = B + j0;
             float *c = C + i0 * ldc + j0;
@@ -281,7 +280,6 @@ void fq_cpu_gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t l
             jn = (last / FQ_GEMM_NR + 1) * FQ_GEMM_NR;
             if (jn > n) jn = n;
         }
-        if (tri == FQ_TRI_K && kc > i0 + FQ_GEMM_MR) kc = i0 + FQ_GEMM_MR;
         double *restrict c = C + i * ldc;
         if (load_c)
             for (int64_t j = 0; j < jn; j++) c[j] *= cscale;

@@ -36,6 +36,7 @@ typedef struct {
 #define FQ_LOAD fq_cpu_load_f32
 #define FQ_STORE fq_cpu_store_f32
 #define FQ_GEMM fq_cpu_gemm_f32
+#define FQ_TRMM_LOWER fq_cpu_trmm_lower_f32
 #define FQ_EXP fq_cpu_expf
 #define FQ_L2NORM fq_cpu_l2norm_f32
 #include "gdn_cpu_fwd_impl.h"
@@ -44,6 +45,7 @@ typedef struct {
 #undef FQ_LOAD
 #undef FQ_STORE
 #undef FQ_GEMM
+#undef FQ_TRMM_LOWER
 #undef FQ_EXP
 #undef FQ_L2NORM
 
@@ -52,6 +54,7 @@ typedef struct {
 #define FQ_LOAD fq_cpu_load_f64
 #define FQ_STORE fq_cpu_store_f64
 #define FQ_GEMM fq_cpu_gemm_f64
+#define FQ_TRMM_LOWER fq_cpu_trmm_lower_f64
 #define FQ_EXP exp
 #define FQ_L2NORM fq_cpu_l2norm_f64
 #include "gdn_cpu_fwd_impl.h"
@@ -60,6 +63,7 @@ typedef struct {
 #undef FQ_LOAD
 #undef FQ_STORE
 #undef FQ_GEMM
+#undef FQ_TRMM_LOWER
 #undef FQ_EXP
 #undef FQ_L2NORM
 
@@ -104,7 +108,7 @@ fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p)
             st = fq_fail(FQ_ERR_NOMEM, "chunk_fwd: cannot allocate %zu bytes of scratch", bytes);
             goto done;
         }
-        /* zero once: padding columns are never written and must stay 0 */
+        /* zero once: padding starts at 0 (fwd_item zeroes it again per item) */
         memset(x.scratch[i], 0, bytes);
     }
     st = fq_cpu_parallel_for(n_items, nt, is64 ? fwd_item_f64 : fwd_item_f32, &x);

@@ -8,6 +8,7 @@
  *   FQ_LOAD       fq_cpu_load_f32 / fq_cpu_load_f64
  *   FQ_STORE      fq_cpu_store_f32 / fq_cpu_store_f64
  *   FQ_GEMM       fq_cpu_gemm_f32 / fq_cpu_gemm_f64
+ *   FQ_TRMM_LOWER fq_cpu_trmm_lower_f32 / _f64
  *   FQ_EXP        fq_cpu_expf / exp
  *   FQ_L2NORM     fq_cpu_l2norm_f32 / fq_cpu_l2norm_f64
  *
@@ -28,7 +29,10 @@
  *
  * Padding (columns K..Kp-1, V..Vp-1 and rows past the sequence end with
  * g = beta = 0) stays exactly zero through every product, so the micro-kernels
- * always see full 8 x 32 tiles.
+ * always see full 8 x 32 tiles, as long as the item's data is finite: a NaN
+ * turns padding into NaN (0 * NaN), so with padding columns the scratch is
+ * zeroed again at the start of every work item, and a NaN of one (sequence,
+ * head) never reaches the next item its thread runs.
  */
 
 static size_t FQ_SFX(fwd_scratch_elems)(int64_t Kp, int64_t Vp)
@@ -51,6 +55,8 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
     REAL *X = G + 2 * C * C, *Vs = X + C * XW, *O = Vs + C * Vp;
     REAL *gam = O + C * Vp + Kp * Vp, *bet = gam + C, *eg = bet + C;
     REAL *Ln = G, *P = G + C * C;
+    double gd[FQ_CHUNK]; /* the gate scan in double (gam is its REAL copy) */
+    int seg[FQ_CHUNK];   /* seg[r]: the last full reset at or before row r, -1 if none */
 
     /* load the chunk: q, k (optionally L2-normalised), v, g, beta; zero rows
      * (g = beta = 0) past the end of the sequence */
@@ -64,19 +70,24 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
                 FQ_L2NORM(Qc + r * Kp, K);
                 FQ_L2NORM(Kc + r * Kp, K);
             }
-            gam[r] = (REAL)fq_cpu_load1(p->g, p->gate_dtype, t * HV + j);
+            gd[r] = fq_cpu_load1(p->g, p->gate_dtype, t * HV + j);
             bet[r] = (REAL)fq_cpu_load1(p->beta, p->gate_dtype, t * HV + j);
         } else {
             memset(Qc + r * Kp, 0, (size_t)K * sizeof(REAL));
             memset(Kc + r * Kp, 0, (size_t)K * sizeof(REAL));
             memset(X + r * XW + Kp, 0, (size_t)V * sizeof(REAL));
-            gam[r] = 0;
+            gd[r] = 0;
             bet[r] = 0;
         }
     }
-    /* gamma_r = sum_{s <= r} g_s  (chunk-local cumulative gate) */
-    for (int64_t r = 1; r < C; r++) gam[r] += gam[r - 1];
-    for (int64_t r = 0; r < C; r++) eg[r] = FQ_EXP(gam[r]);
+    /* gamma_r = sum_{s <= r} g_s  (chunk-local cumulative gate), restarted
+     * after each full reset g <= FQ_GATE_RESET (gdn.h): never -inf - -inf.
+     * e^gamma_r = 0 once a reset lies in 0..r. */
+    fq_cpu_gate_scan(gd, seg, C);
+    for (int64_t r = 0; r < C; r++) {
+        gam[r] = (REAL)gd[r];
+        eg[r] = seg[r] < 0 ? FQ_EXP(gam[r]) : (REAL)0;
+    }
 
     /* KT = K^T */
     for (int64_t r = 0; r < C; r++)
@@ -87,12 +98,15 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
     FQ_GEMM(C, C, Kp, Qc, Kp, KT, C, P, C, 0, 0, FQ_TRI_N);
 
     /* Ln = -L = -strict_lower(diag(beta) (K K^T . Gamma)),
-     * P  = scale * lower_incl_diag(Q K^T . Gamma),  Gamma_rs = e^{gam_r - gam_s} */
+     * P  = scale * lower_incl_diag(Q K^T . Gamma),
+     * Gamma_rs = e^{gam_r - gam_s} inside one reset segment, 0 across a reset */
     for (int64_t r = 0; r < C; r++) {
         REAL *ln = Ln + r * C, *pr = P + r * C;
         const REAL gr = gam[r], nb = -bet[r];
+        const int sr = seg[r];
         for (int64_t s = 0; s < C; s++) {
             REAL e = FQ_EXP(s <= r ? gr - gam[s] : (REAL)0);
+            e = seg[s] == sr ? e : (REAL)0;
             REAL l = nb * ln[s] * e, q = scale * pr[s] * e;
             ln[s] = s < r ? l : (REAL)0;
             pr[s] = s <= r ? q : (REAL)0;
@@ -104,8 +118,8 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
         REAL *xr = X + r * XW;
         const REAL *kr = Kc + r * Kp;
         const REAL a = -bet[r] * eg[r], b = bet[r];
-        for (int64_t i = 0; i < Kp; i++) xr[i] = a * kr[i];
-        for (int64_t i = Kp; i < XW; i++) xr[i] *= b;
+        for (int64_t i = 0; i < K; i++) xr[i] = a * kr[i];
+        for (int64_t i = Kp; i < Kp + V; i++) xr[i] *= b;
     }
 
     /* (I + L) [-W | U] = X by blocked forward substitution (A = (I+L)^-1):
@@ -137,18 +151,21 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
     for (int64_t r = 0; r < C; r++) {
         const REAL a = scale * eg[r];
         REAL *qr = Qc + r * Kp;
-        for (int64_t i = 0; i < Kp; i++) qr[i] *= a;
+        for (int64_t i = 0; i < K; i++) qr[i] *= a;
     }
     FQ_GEMM(C, Vp, Kp, Qc, Kp, S, Vp, O, Vp, 0, 0, FQ_TRI_NONE);
-    FQ_GEMM(C, Vp, C, P, C, X + Kp, XW, O, Vp, 1, 1, FQ_TRI_K);
+    /* exactly lower-triangular: o_r never meets Vn rows s > r (a NaN at a
+     * later token must not reach an earlier output) */
+    FQ_TRMM_LOWER(C, Vp, P, C, X + Kp, XW, O, Vp, 1, 1);
     for (int64_t r = 0; r < Lc; r++) FQ_STORE(p->o, p->dtype, ((tok0 + r) * HV + j) * V, O + r * Vp, V);
 
-    /* S' = e^{gam_C} S + K^T diag(e^{gam_C - gam}) Vn */
-    const REAL gC = gam[C - 1];
+    /* S' = e^{gam_C} S + K^T diag(e^{gam_C - gam}) Vn  (e^{gam_C - gam_r} = 0
+     * when a reset lies in r+1..C; e^{gam_C} = eg[C-1] is 0 after any reset) */
+    const double gC = gd[C - 1];
     for (int64_t r = 0; r < C; r++) {
         const REAL *vn = X + r * XW + Kp;
         REAL *vs = Vs + r * Vp;
-        const REAL d = FQ_EXP(gC - gam[r]);
+        const REAL d = seg[r] == seg[C - 1] ? FQ_EXP((REAL)(gC - gd[r])) : (REAL)0;
         for (int64_t i = 0; i < Vp; i++) vs[i] = d * vn[i];
     }
     FQ_GEMM(Kp, Vp, C, KT, C, Vs, Vp, S, Vp, eg[C - 1], 1, FQ_TRI_NONE);
@@ -161,6 +178,7 @@ static void FQ_SFX(fwd_item)(void *vctx, int64_t item, int thread_id)
     const int64_t C = FQ_CHUNK, K = p->K, V = p->V, Kp = x->Kp, Vp = x->Vp;
     const int64_t n = item / p->HV, j = item % p->HV, h = j / (p->HV / p->H);
     REAL *scr = (REAL *)x->scratch[thread_id];
+    if (Kp != K || Vp != V) memset(scr, 0, FQ_SFX(fwd_scratch_elems)(Kp, Vp) * sizeof(REAL));
     REAL *S = scr + 2 * C * Kp + Kp * C + 2 * C * C + C * (Kp + Vp) + 2 * C * Vp;
     int64_t row, first, len;
     fq_cpu_seq_bounds(p, n, &row, &first, &len);
