@@ -20,11 +20,20 @@ jax.py for JAX) and both call down into _prepared.py, which calls _C.
 """
 
 from ._frameworks import JAX, TORCH, common_framework
-from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, detached, gdn_chunk_bwd,
-                        gdn_chunk_fwd, prepare_inputs, recurrent_prepared, resolve_scale)
+from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, gdn_chunk_bwd, gdn_chunk_fwd,
+                        prepare_inputs, recurrent_prepared, resolve_scale)
 
 __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
            "chunk_gated_delta_rule", "ChunkContext"]
+
+
+def _torch_front():
+    """flashqla._torch (imported on the first PyTorch call: it registers the
+    torch.ops.flashqla operators, and importing flashqla needs no torch)."""
+    global _torch_front
+    from . import _torch
+    _torch_front = lambda: _torch  # noqa: E731
+    return _torch
 
 
 def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -33,8 +42,9 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] (float32, float64
     with float64 inputs) or None unless output_final_state. scale defaults to
-    K ** -0.5. With PyTorch tensors that require grad, gradients flow to q, k,
-    v, g, beta and initial_state (torch.autograd.Function); with JAX arrays,
+    K ** -0.5. With PyTorch tensors this is torch.ops.flashqla.chunk_fwd:
+    gradients flow to q, k, v, g, beta and initial_state, and torch.compile
+    (fullgraph=True), torch.func.grad and CUDA graphs work; with JAX arrays,
     jax.grad works (flashqla.jax.gdn_chunk, a jax.custom_vjp)."""
     fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                            ("initial_state", initial_state)], check=False)
@@ -43,17 +53,13 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         return fq_jax.gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    if fw is TORCH:  # torch.ops.flashqla.chunk_fwd, with autograd
+        return _torch_front().gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                use_qk_l2norm=use_qk_l2norm)
     fw, q, k, v, g, beta, h0, cu = prepare_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    scale = resolve_scale(scale, q)
-    if fw is TORCH:
-        import torch
-        if torch.is_grad_enabled() and any(
-                x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
-            from ._torch import ChunkFunction
-            return ChunkFunction.apply(q, k, v, g, beta, h0, cu, scale,
-                                       bool(output_final_state), bool(use_qk_l2norm))
-    return chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, output_final_state,
-                              use_qk_l2norm)
+    return chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, resolve_scale(scale, q),
+                              output_final_state, use_qk_l2norm)
 
 
 # ------------------------------------------------------ public: recurrent ----
@@ -67,15 +73,18 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
     cu_seqlens[n+1]-1) starts from slot state_indices[n] (slot n without
     indices) and leaves its final state there; a negative slot is padding (the
     sequence is skipped, its o rows are 0). Returns o [B, T, HV, V]. No
-    gradients. JAX arrays are immutable: use flashqla.jax.gdn_recurrent."""
+    gradients. PyTorch: torch.ops.flashqla.recurrent (torch.compile and CUDA
+    graphs work). JAX arrays are immutable: use flashqla.jax.gdn_recurrent."""
     fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                            ("state", state)])
     if fw is JAX:
         raise TypeError("state: JAX arrays cannot be updated in place; use "
                         "flashqla.jax.gdn_recurrent, which returns (o, new_state)")
+    if fw is TORCH:  # torch.ops.flashqla.recurrent
+        return _torch_front().gdn_recurrent(q, k, v, g, beta, state, state_indices=state_indices,
+                                    scale=scale, cu_seqlens=cu_seqlens,
+                                    use_qk_l2norm=use_qk_l2norm)
     check_ndim(state, "state", 4, "[P, HV, K, V]")
-    if fw is TORCH:
-        q, k, v, g, beta, state = detached(fw, q, k, v, g, beta, state)
     fw, q, k, v, g, beta, _, cu = prepare_inputs(q, k, v, g, beta, None, cu_seqlens)
     idx = None
     if state_indices is not None:

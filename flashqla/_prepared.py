@@ -87,6 +87,15 @@ def resolve_scale(scale, q):
 
 # --------------------------------------------------------------- raw calls ----
 # Inputs already prepared (contiguous, dtypes settled); outputs allocated here.
+# Arrays reach _C through fw.export (a capsule for torch: requires_grad does
+# not matter there, these calls are below any autograd).
+
+def _exported(fw, launch):
+    """The launch keywords (stream=, workspace=) with the workspace exported."""
+    if launch.get("workspace") is not None:
+        launch = dict(launch, workspace=fw.export(launch["workspace"]))
+    return launch
+
 
 def detached(fw, *xs):
     return tuple(None if x is None else fw.detach(x) for x in xs)
@@ -94,38 +103,35 @@ def detached(fw, *xs):
 
 def chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, output_final_state,
                        use_qk_l2norm):
-    q, k, v, g, beta, h0, cu = detached(fw, q, k, v, g, beta, h0, cu)
     B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
     dt = fw.dtype_name(q)
-    o = fw.empty((B, T, HV, V), dt, q)
+    o = fw.empty_like(v)                                       # [B, T, HV, V]
     ht = fw.empty((N, HV, K, V), state_dtype_of(dt), q) if output_final_state else None
     launch = fw.launch("fwd", q, sizes, dt)
     fw.before_call((q, k, v, g, beta, h0, cu))
-    _C.chunk_fwd(q, k, v, g, beta, o, scale=scale, initial_state=h0, final_state=ht,
-                 cu_seqlens=cu, use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    x = fw.export
+    _C.chunk_fwd(x(q), x(k), x(v), x(g), x(beta), x(o), scale=scale, initial_state=x(h0),
+                 final_state=x(ht), cu_seqlens=x(cu), use_qk_l2norm=bool(use_qk_l2norm),
+                 **_exported(fw, launch))
     fw.after_call(q)
     return fw.output(o), fw.output(ht)
 
 
 def chunk_bwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, use_qk_l2norm, do, dht):
-    q, k, v, g, beta, h0, cu, do, dht = detached(fw, q, k, v, g, beta, h0, cu, do, dht)
     B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
     dt = fw.dtype_name(q)
     do = fw.contiguous(do)
     if fw.dtype_name(do) != dt and fw.is_floating(do):
         do = fw.astype(do, dt)
     dht = prepare_state(fw, dht, q)
-    dq = fw.empty(tuple(q.shape), dt, q)
-    dk = fw.empty(tuple(k.shape), fw.dtype_name(k), q)
-    dv = fw.empty(tuple(v.shape), fw.dtype_name(v), q)
-    dg = fw.empty(tuple(g.shape), fw.dtype_name(g), q)
-    dbeta = fw.empty(tuple(beta.shape), fw.dtype_name(beta), q)
-    dh0 = None if h0 is None else fw.empty(tuple(h0.shape), fw.dtype_name(h0), q)
+    dq, dk, dv, dg, dbeta = (fw.empty_like(x) for x in (q, k, v, g, beta))
+    dh0 = None if h0 is None else fw.empty_like(h0)
     launch = fw.launch("bwd", q, sizes, dt)
     fw.before_call((q, k, v, g, beta, h0, cu, do, dht))
-    _C.chunk_bwd(q, k, v, g, beta, do, dq, dk, dv, dg, dbeta, scale=scale,
-                 initial_state=h0, dfinal_state=dht, dinitial_state=dh0, cu_seqlens=cu,
-                 use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    x = fw.export
+    _C.chunk_bwd(x(q), x(k), x(v), x(g), x(beta), x(do), x(dq), x(dk), x(dv), x(dg), x(dbeta),
+                 scale=scale, initial_state=x(h0), dfinal_state=x(dht), dinitial_state=x(dh0),
+                 cu_seqlens=x(cu), use_qk_l2norm=bool(use_qk_l2norm), **_exported(fw, launch))
     fw.after_call(q)
     return tuple(fw.output(x) for x in (dq, dk, dv, dg, dbeta, dh0))
 
@@ -202,13 +208,14 @@ def gdn_chunk_bwd(ctx, do, dfinal_state=None):
 
 
 def recurrent_prepared(fw, q, k, v, g, beta, state, idx, cu, scale, use_qk_l2norm):
-    q, k, v, g, beta, state, idx, cu = detached(fw, q, k, v, g, beta, state, idx, cu)
     B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
     dt = fw.dtype_name(q)
-    o = fw.empty((B, T, HV, V), dt, q)
+    o = fw.empty_like(v)                                       # [B, T, HV, V]
     launch = fw.launch("recurrent", q, sizes, dt)
     fw.before_call((q, k, v, g, beta, state, idx, cu))
-    _C.recurrent(q, k, v, g, beta, state, o, scale=scale, state_indices=idx, cu_seqlens=cu,
-                 use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    x = fw.export
+    _C.recurrent(x(q), x(k), x(v), x(g), x(beta), x(state), x(o), scale=scale,
+                 state_indices=x(idx), cu_seqlens=x(cu), use_qk_l2norm=bool(use_qk_l2norm),
+                 **_exported(fw, launch))
     fw.after_call(q)
     return fw.output(o)

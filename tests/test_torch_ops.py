@@ -1,0 +1,346 @@
+"""PyTorch operators (flashqla/_torch.py): torch.ops.flashqla.chunk_fwd /
+chunk_bwd / recurrent with fake kernels and autograd; torch.compile with
+fullgraph=True (gradients included), torch.library.opcheck, torch.func.grad,
+the eager fast path of the recurrent step, and on the GPU the same plus CUDA
+graph capture. Every result is checked against the float64 reference."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashqla  # noqa: E402
+import flashqla._torch  # noqa: E402,F401  (registers torch.ops.flashqla.*)
+from flashqla import reference  # noqa: E402
+from gdn_testing import (GRAD_NAMES, assert_close, cast_inputs_torch, make_inputs,  # noqa: E402
+                         reference_of, to_f64, tolerance)
+
+TOL32 = tolerance("float32", "o")
+LEAVES = ("q", "k", "v", "g", "beta", "h0")
+
+
+def _loss_fn(t, fn=None, **kw):
+    fn = fn or flashqla.gdn_chunk
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                   cu_seqlens=t["cu_seqlens"], **kw)
+        return (o.float() * t["do"].float()).sum() + (ht * t["dht"]).sum()
+    return loss
+
+
+def _check_grads(leaves, ref, dtype="float32"):
+    for name, leaf in zip(GRAD_NAMES, leaves):
+        assert leaf.grad is not None, name
+        assert leaf.grad.dtype == leaf.dtype
+        assert_close(name, leaf.grad, ref[name], tolerance(dtype, name))
+
+
+def _leaves(t):
+    return [t[n].clone().requires_grad_() for n in LEAVES]
+
+
+# --------------------------------------------------------- torch.compile ----
+
+def test_compile_fullgraph_gdn_chunk_with_gradients():
+    """The default backend (inductor): forward and backward in one graph each."""
+    torch._dynamo.reset()
+    inp = make_inputs(1, 100, 2, 4, 16, 16, seed=1, seqlens=[30, 70], dht=True)
+    t = cast_inputs_torch(inp, "float32")
+    compiled = torch.compile(_loss_fn(t), fullgraph=True)
+    leaves = _leaves(t)
+    compiled(*leaves).backward()
+    _check_grads(leaves, reference_of(t))
+    # a second call with new values reuses the graph and is right again
+    inp2 = make_inputs(1, 100, 2, 4, 16, 16, seed=2, seqlens=[30, 70], dht=True)
+    t2 = cast_inputs_torch(inp2, "float32")
+    leaves2 = _leaves(dict(t, **{n: t2[n] for n in LEAVES}))
+    compiled(*leaves2).backward()
+    _check_grads(leaves2, reference_of(dict(t2, do=t["do"], dht=t["dht"])))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compile_fullgraph_chunk_gated_delta_rule(dtype):
+    """FLA's signature, l2norm inside, bf16 inputs with float32 gates."""
+    torch._dynamo.reset()
+    inp = make_inputs(1, 90, 2, 4, 32, 32, seed=3, seqlens=[45, 45], dht=True,
+                      normalize_qk=False)
+    t = cast_inputs_torch(inp, dtype)
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True,
+                                                cu_seqlens=t["cu_seqlens"], head_first=False)
+        return (o.float() * t["do"].float()).sum() + (ht * t["dht"]).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    leaves = _leaves(t)
+    compiled(*leaves).backward()
+    _check_grads(leaves, reference_of(t, use_qk_l2norm=True), dtype)
+
+
+def test_compile_fullgraph_only_final_state_and_no_initial_state():
+    torch._dynamo.reset()
+    inp = make_inputs(2, 70, 1, 2, 16, 16, seed=4, h0=False, dht=True)
+    t = cast_inputs_torch(inp, "float32")
+
+    def loss(q, k):
+        _, ht = flashqla.gdn_chunk(q, k, t["v"], t["g"], t["beta"], output_final_state=True)
+        return (ht * t["dht"]).sum()
+
+    q, k = t["q"].clone().requires_grad_(), t["k"].clone().requires_grad_()
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k).backward()
+    ref = reference_of(dict(t, do=np.zeros(inp["do"].shape)))
+    assert_close("dq", q.grad, ref["dq"], TOL32)
+    assert_close("dk", k.grad, ref["dk"], TOL32)
+
+
+def test_compile_fullgraph_gdn_recurrent_updates_the_pool():
+    torch._dynamo.reset()
+    inp = make_inputs(3, 2, 1, 2, 16, 16, seed=5, h0=False)
+    t = cast_inputs_torch(inp, "float32")
+    pool = torch.randn(4, 2, 16, 16)
+    before = pool.clone()
+    idx = torch.tensor([2, -1, 0], dtype=torch.int32)
+
+    def step(q, k, v, g, beta, pool):
+        return flashqla.gdn_recurrent(q, k, v, g, beta, pool, state_indices=idx) * 2.0
+
+    o = torch.compile(step, fullgraph=True)(t["q"], t["k"], t["v"], t["g"], t["beta"], pool)
+    o_ref, pool_ref = reference.recurrent(*(inp[n] for n in ("q", "k", "v", "g", "beta")),
+                                          before.numpy(), state_indices=[2, -1, 0])
+    assert_close("o", o, 2.0 * o_ref, TOL32)
+    assert_close("pool", pool, pool_ref, TOL32)
+    assert torch.equal(pool[1], before[1]) and torch.equal(pool[3], before[3])
+
+
+# ------------------------------------------------------------- opcheck ----
+
+def _op_args(t, h0=True, cu=True, grad=False):
+    x = {n: t[n] for n in LEAVES}
+    if grad:
+        x = {n: v.clone().requires_grad_() for n, v in x.items() if v is not None}
+    h0_ = None
+    if h0:  # one state per sequence: N = len(cu_seqlens) - 1, or B without cu_seqlens
+        h0_ = x["h0"] if cu else x["h0"][:t["q"].shape[0]].detach().clone().requires_grad_(grad)
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], h0_, t["cu_seqlens"] if cu else None)
+
+
+@pytest.mark.parametrize("h0,cu,final", [(True, True, True), (False, False, False),
+                                          (True, False, False)])
+def test_opcheck_chunk_fwd_and_bwd(h0, cu, final):
+    inp = make_inputs(1, 40, 1, 2, 16, 16, seed=6, seqlens=[15, 25], dht=True)
+    t = cast_inputs_torch(inp, "float32")
+    for grad in (False, True):
+        torch.library.opcheck(torch.ops.flashqla.chunk_fwd.default,
+                              _op_args(t, h0, cu, grad) + (0.25, final, False))
+    q, k, v, g, beta, h0_, cu_ = _op_args(t, h0, cu)
+    dht = None if not final else t["dht"] if cu else t["dht"][:1].contiguous()
+    torch.library.opcheck(torch.ops.flashqla.chunk_bwd.default,
+                          (q, k, v, g, beta, h0_, cu_, t["do"], dht, 0.25, True))
+
+
+@pytest.mark.parametrize("with_idx", [False, True])
+def test_opcheck_recurrent(with_idx):
+    inp = make_inputs(3, 2, 1, 2, 16, 16, seed=7, h0=False)
+    t = cast_inputs_torch(inp, "float32")
+    pool = torch.randn(5 if with_idx else 3, 2, 16, 16)
+    idx = torch.tensor([4, -1, 0], dtype=torch.int64) if with_idx else None
+    torch.library.opcheck(torch.ops.flashqla.recurrent.default,
+                          (t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, None, 0.25,
+                           False))
+
+
+def test_ops_directly_with_autograd():
+    """torch.ops.flashqla.chunk_fwd carries its own autograd formula."""
+    inp = make_inputs(1, 50, 1, 2, 16, 16, seed=8, dht=True)
+    t = cast_inputs_torch(inp, "float32")
+    leaves = _leaves(t)
+    o, ht = torch.ops.flashqla.chunk_fwd(*leaves, None, 16 ** -0.5, True, False)
+    ((o * t["do"]).sum() + (ht * t["dht"]).sum()).backward()
+    _check_grads(leaves, reference_of(t))
+    o, empty = torch.ops.flashqla.chunk_fwd(*leaves, None, 16 ** -0.5, False, False)
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+# ----------------------------------------------------------- torch.func ----
+
+def test_torch_func_grad():
+    inp = make_inputs(1, 60, 1, 2, 16, 16, seed=9, seqlens=[20, 40], dht=True)
+    t = cast_inputs_torch(inp, "float32")
+    grads = torch.func.grad(_loss_fn(t), argnums=tuple(range(6)))(*(t[n] for n in LEAVES))
+    ref = reference_of(t)
+    for name, grad in zip(GRAD_NAMES, grads):
+        assert_close(name, grad, ref[name], TOL32)
+
+
+def test_torch_func_grad_and_value_under_compile():
+    torch._dynamo.reset()
+    inp = make_inputs(1, 40, 1, 2, 16, 16, seed=10)
+    t = cast_inputs_torch(inp, "float32")
+
+    def loss(q):
+        return (flashqla.gdn_chunk(q, t["k"], t["v"], t["g"], t["beta"],
+                                   initial_state=t["h0"])[0] * t["do"]).sum()
+
+    dq, value = torch.compile(torch.func.grad_and_value(loss), fullgraph=True,
+                              backend="aot_eager")(t["q"])
+    ref = reference_of(t)
+    assert_close("dq", dq, ref["dq"], TOL32)
+    assert abs(float(value) - float((ref["o"] * inp["do"]).sum())) <= 1e-4 * abs(float(value))
+
+
+# ------------------------------------------------ the recurrent fast path ----
+
+class _Recorder(torch.overrides.TorchFunctionMode):
+    """A function mode that lets everything through (and so turns the fast path off)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_recurrent_fast_path_equals_the_op():
+    inp = make_inputs(4, 3, 2, 4, 32, 32, seed=11, h0=False)
+    t = cast_inputs_torch(inp, "bfloat16")
+    pool = torch.randn(6, 4, 32, 32)
+    idx = torch.tensor([5, 0, -1, 2], dtype=torch.int32)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    assert flashqla._torch._plain_eager(*args, pool, idx)
+    pool_fast, pool_op = pool.clone(), pool.clone()
+    o_fast = flashqla.gdn_recurrent(*args, pool_fast, state_indices=idx)
+    with _Recorder():
+        assert not flashqla._torch._plain_eager(*args, pool_op, idx)
+        o_op = flashqla.gdn_recurrent(*args, pool_op, state_indices=idx)
+    assert torch.equal(o_fast, o_op) and torch.equal(pool_fast, pool_op)
+    o_ref, pool_ref = reference.recurrent(*(to_f64(x) for x in args), pool.numpy(),
+                                          state_indices=idx.numpy())
+    assert_close("o", o_fast, o_ref, tolerance("bfloat16", "o"))
+    assert_close("pool", pool_fast, pool_ref, tolerance("bfloat16", "ht"))
+
+
+def test_recurrent_inputs_that_require_grad_give_a_plain_output():
+    inp = make_inputs(2, 1, 1, 2, 16, 16, seed=12, h0=False)
+    t = cast_inputs_torch(inp, "float32")
+    q = t["q"].clone().requires_grad_()
+    o = flashqla.gdn_recurrent(q, t["k"], t["v"], t["g"], t["beta"], torch.zeros(2, 2, 16, 16))
+    assert not o.requires_grad
+
+
+# ---------------------------------------------------------------- GPU ----
+
+def _cuda(t):
+    return {n: (None if x is None else x.cuda()) for n, x in t.items()}
+
+
+@pytest.mark.gpu
+def test_cuda_compile_fullgraph_with_gradients():
+    torch._dynamo.reset()
+    inp = make_inputs(1, 300, 2, 4, 128, 128, seed=13, seqlens=[100, 200], dht=True)
+    t = _cuda(cast_inputs_torch(inp, "bfloat16"))
+    compiled = torch.compile(_loss_fn(t), fullgraph=True)
+    leaves = _leaves(t)
+    compiled(*leaves).backward()
+    _check_grads(leaves, reference_of(t), "bfloat16")
+
+
+@pytest.mark.gpu
+def test_cuda_opcheck():
+    inp = make_inputs(1, 130, 1, 2, 64, 64, seed=14, seqlens=[65, 65], dht=True)
+    t = _cuda(cast_inputs_torch(inp, "bfloat16"))
+    for grad in (False, True):
+        torch.library.opcheck(torch.ops.flashqla.chunk_fwd.default,
+                              _op_args(t, grad=grad) + (0.125, True, False))
+    q, k, v, g, beta, h0, cu = _op_args(t)
+    torch.library.opcheck(torch.ops.flashqla.chunk_bwd.default,
+                          (q, k, v, g, beta, h0, cu, t["do"], t["dht"], 0.125, False))
+    pool = torch.randn(3, 2, 64, 64, device="cuda")
+    torch.library.opcheck(torch.ops.flashqla.recurrent.default,
+                          (q[:, :2].contiguous(), k[:, :2].contiguous(), v[:, :2].contiguous(),
+                           g[:, :2].contiguous(), beta[:, :2].contiguous(), pool,
+                           torch.tensor([2], device="cuda"), None, 0.125, False))
+
+
+@pytest.mark.gpu
+def test_cuda_func_grad_and_compiled_recurrent():
+    inp = make_inputs(1, 200, 2, 4, 128, 128, seed=15, dht=True)
+    t = _cuda(cast_inputs_torch(inp, "bfloat16"))
+    grads = torch.func.grad(_loss_fn(t), argnums=(0, 2))(t["q"], t["k"], t["v"], t["g"],
+                                                         t["beta"], t["h0"])
+    ref = reference_of(t)
+    assert_close("dq", grads[0], ref["dq"], tolerance("bfloat16", "dq"))
+    assert_close("dv", grads[1], ref["dv"], tolerance("bfloat16", "dv"))
+    torch._dynamo.reset()
+    dec = make_inputs(4, 1, 2, 4, 128, 128, seed=16, h0=False)
+    d = _cuda(cast_inputs_torch(dec, "bfloat16"))
+    pool = torch.randn(5, 4, 128, 128, device="cuda")
+    before = pool.cpu().numpy()
+    idx = torch.tensor([4, -1, 0, 1], device="cuda", dtype=torch.int32)
+    step = torch.compile(lambda *a: flashqla.gdn_recurrent(*a, pool, state_indices=idx),
+                         fullgraph=True)
+    o = step(d["q"], d["k"], d["v"], d["g"], d["beta"])
+    o_ref, pool_ref = reference.recurrent(*(to_f64(d[n]) for n in ("q", "k", "v", "g", "beta")),
+                                          before, state_indices=[4, -1, 0, 1])
+    assert_close("o", o, o_ref, tolerance("bfloat16", "o"))
+    assert_close("pool", pool, pool_ref, tolerance("bfloat16", "ht"))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_the_torch_ops():
+    """gdn_chunk with autograd (chunk_fwd + chunk_bwd ops) and gdn_recurrent
+    (the recurrent op, and its eager fast path) captured in CUDA graphs."""
+    inp = make_inputs(1, 500, 2, 4, 128, 128, seed=17, dht=True)
+    t = _cuda(cast_inputs_torch(inp, "bfloat16"))
+    static = {n: t[n].clone() for n in LEAVES + ("do", "dht")}
+    leaves = [static[n].requires_grad_() for n in LEAVES]
+
+    def train_step():
+        for x in leaves:
+            x.grad = None
+        o, ht = flashqla.gdn_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        torch.autograd.backward([o, ht], [static["do"], static["dht"]])
+        return [o.detach(), ht.detach()] + [x.grad for x in leaves]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = train_step()
+    for x in outs:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference_of(t)
+    names = ("o", "ht") + GRAD_NAMES
+    for name, got in zip(names, outs):
+        assert_close(f"{name} (graph replay)", got, ref[name], tolerance("bfloat16", name))
+
+    dec = make_inputs(3, 1, 2, 4, 128, 128, seed=18, h0=False)
+    d = _cuda(cast_inputs_torch(dec, "bfloat16"))
+    pool = torch.randn(4, 4, 128, 128, device="cuda")
+    start = pool.clone()
+    idx = torch.tensor([3, 0, -1], device="cuda", dtype=torch.int32)
+    args = [d[n] for n in ("q", "k", "v", "g", "beta")]
+    for use_op in (False, True):
+        pool.copy_(start)
+        with torch.cuda.stream(side):
+            flashqla.gdn_recurrent(*args, pool, state_indices=idx)  # warm-up
+        torch.cuda.current_stream().wait_stream(side)
+        pool.copy_(start)
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            if use_op:
+                o = torch.ops.flashqla.recurrent(*args, pool, idx, None, 128 ** -0.5, False)
+            else:
+                o = flashqla.gdn_recurrent(*args, pool, state_indices=idx)
+        pool.copy_(start)
+        g2.replay()
+        torch.cuda.synchronize()
+        o_ref, pool_ref = reference.recurrent(*(to_f64(x) for x in args), start.cpu().numpy(),
+                                              state_indices=[3, 0, -1])
+        assert_close(f"o (op={use_op})", o, o_ref, tolerance("bfloat16", "o"))
+        assert_close(f"pool (op={use_op})", pool, pool_ref, tolerance("bfloat16", "ht"))
