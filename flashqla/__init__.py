@@ -9,6 +9,7 @@ Arrays may be NumPy, PyTorch (CPU or CUDA), JAX or CuPy; results come back in
 the caller's framework. See README.md for shapes and the full API.
 
 Submodules loaded on first use: flashqla.jax (jax.custom_vjp wrappers),
+flashqla.distributed (context parallelism over torch.distributed),
 flashqla.reference (float64 NumPy reference), flashqla.demo (benchmark/demo).
 """
 
@@ -39,7 +40,7 @@ __version__ = "0.1.0"
 __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
            "chunk_gated_delta_rule", "ChunkContext", "Error", "cuda_available"]
 
-_SUBMODULES = ("jax", "reference", "demo")
+_SUBMODULES = ("jax", "distributed", "reference", "demo")
 
 
 def cuda_available():

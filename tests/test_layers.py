@@ -20,6 +20,7 @@ ALLOWED = {
     "_prepared": {"_C", "_frameworks"},
     "_torch": {"_C", "_frameworks", "_prepared"},
     "jax": {"_C", "_frameworks", "_prepared"},
+    "distributed": {"_C", "_frameworks", "_prepared"},
     "reference": set(),
 }
 
