@@ -128,7 +128,8 @@ typedef struct fq_gdn_params {
     /* ---- recurrent step ---- */
     void *state;                /* [P, HV, K, V], read and updated in place  */
     const void *state_indices;  /* NULL, or N slot numbers; slot < 0: padding,
-                                   the sequence is skipped (o written as 0)  */
+                                   the sequence is skipped (o written as 0);
+                                   a slot >= 0 at most once (see below)     */
     int state_indices_is_int64;
 
     /* ---- execution ---- */
@@ -137,20 +138,36 @@ typedef struct fq_gdn_params {
     int device;                 /* CUDA: device ordinal of every pointer      */
     void *workspace;            /* CUDA: caller-owned scratch (device memory) */
     size_t workspace_bytes;     /* its size; see fq_cuda_*_workspace_bytes     */
+    int check_inputs;           /* CUDA: 1 = also check the contents (below),
+                                   copying g, cu_seqlens, state_indices to the
+                                   host: a synchronisation, not capturable   */
 } fq_gdn_params;
 
 /* Fill with zeros/NULLs and the defaults (scale = 0 means K^-1/2 is applied by
- * the caller; the core uses p->scale as given). */
+ * the caller; the core uses p->scale as given; check_inputs from
+ * fq_check_inputs_default()). */
 void fq_params_init(fq_gdn_params *p);
+/* 1 when the environment variable FLASHQLA_CHECK_INPUTS is "1", else 0. */
+int fq_check_inputs_default(void);
 
-/* Checks every size, pointer and dtype rule above, and the contents of
- * cu_seqlens (starts at 0, non-decreasing, ends at T) and state_indices
- * (< P) read as host memory. `op` is 'f' (chunk forward), 'b' (chunk backward)
- * or 'r' (recurrent). The CPU backend calls it first. */
+/* Checks every size, pointer and dtype rule above, that no buffer the call
+ * writes (o, ht, the gradients, the state pool, the workspace) shares a byte
+ * with any other argument, and the contents (fq_check_contents) read as host
+ * memory. `op` is 'f' (chunk forward), 'b' (chunk backward) or 'r'
+ * (recurrent). The CPU backend calls it first. */
 fq_status fq_check_params(const fq_gdn_params *p, char op);
-/* The same checks without reading cu_seqlens / state_indices (device memory):
- * the CUDA backend calls this one. */
+/* The same checks without reading any contents (device memory): the CUDA
+ * backend calls this one, then fq_check_contents on host copies when
+ * p->check_inputs is set. */
 fq_status fq_check_params_device(const fq_gdn_params *p, char op);
+/* The contents, read as host memory: cu_seqlens starts at 0, never
+ * decreases and ends at T; every state_indices entry is < P and no slot
+ * >= 0 appears twice (two sequences would update one pool entry at once;
+ * negative entries are padding and may repeat); every g <= 0 (no NaN, no
+ * positive gate: g is log(alpha)). Without the check (CUDA by default) a
+ * repeated slot goes to its first sequence; each later sequence that names it
+ * gets NaN outputs and leaves the pool alone. */
+fq_status fq_check_contents(const fq_gdn_params *p, char op);
 
 /* ---------------------------------------------------------------- CPU ---- */
 /* Default thread count: FLASHQLA_NUM_THREADS if set (> 0), else all cores. */

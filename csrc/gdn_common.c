@@ -61,6 +61,13 @@ void fq_params_init(fq_gdn_params *p)
     p->scale = 1.0;
     p->num_threads = 0;
     p->device = 0;
+    p->check_inputs = fq_check_inputs_default();
+}
+
+int fq_check_inputs_default(void)
+{
+    const char *env = getenv("FLASHQLA_CHECK_INPUTS");
+    return env && strcmp(env, "1") == 0;
 }
 
 int fq_cpu_default_threads(void)
@@ -80,8 +87,192 @@ static int64_t read_index(const void *base, int is_int64, int64_t i)
     return is_int64 ? ((const int64_t *)base)[i] : (int64_t)((const int32_t *)base)[i];
 }
 
-/* Checks that need no device memory; cu_seqlens / state_indices contents are
- * checked here only when `host_contents` is set (CPU backend). */
+/* ------------------------------------------------------------ aliasing ---- */
+
+/* n1 * n2 * ... in bytes, saturating at UINT64_MAX (sizes from a C caller are
+ * not bounded by anything else). */
+static uint64_t sat_mul(uint64_t a, uint64_t b)
+{
+    if (a == 0 || b == 0) return 0;
+    return a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+typedef struct {
+    const char *name;
+    const void *ptr;
+    uint64_t bytes;
+    int written;
+} fq_extent;
+
+/* Every buffer of the call with its byte extent (the layouts of gdn.h), the
+ * ones the call writes marked. A written buffer must share no byte with any
+ * other buffer: the kernels read inputs after writing outputs (a chunk's o
+ * rows before the next chunk's v rows, the state pool while q, k, v stream
+ * in), so an overlap gives silently wrong results. Inputs may alias each
+ * other (q is k, say). */
+static fq_status check_aliasing(const fq_gdn_params *p, char op)
+{
+    const uint64_t bt = sat_mul((uint64_t)p->B, (uint64_t)p->T);
+    const uint64_t es = fq_dtype_size(p->dtype), gs = fq_dtype_size(p->gate_dtype);
+    const uint64_t ss = fq_dtype_size(p->state_dtype);
+    const uint64_t qk = sat_mul(sat_mul(sat_mul(bt, (uint64_t)p->H), (uint64_t)p->K), es);
+    const uint64_t vo = sat_mul(sat_mul(sat_mul(bt, (uint64_t)p->HV), (uint64_t)p->V), es);
+    const uint64_t ga = sat_mul(sat_mul(bt, (uint64_t)p->HV), gs);
+    const uint64_t st1 = sat_mul(sat_mul(sat_mul((uint64_t)p->HV, (uint64_t)p->K), (uint64_t)p->V), ss);
+    const uint64_t stN = sat_mul((uint64_t)p->N, st1);
+    const uint64_t cu = sat_mul((uint64_t)(p->N + 1), p->cu_seqlens_is_int64 ? 8 : 4);
+    const uint64_t ix = sat_mul((uint64_t)p->N, p->state_indices_is_int64 ? 8 : 4);
+    fq_extent e[24];
+    int n = 0;
+#define FQ_EXT(nm, pt, by, wr)                                          \
+    do {                                                                \
+        e[n].name = (nm); e[n].ptr = (pt); e[n].bytes = (by);           \
+        e[n].written = (wr); n++;                                       \
+    } while (0)
+    FQ_EXT("q", p->q, qk, 0);
+    FQ_EXT("k", p->k, qk, 0);
+    FQ_EXT("v", p->v, vo, 0);
+    FQ_EXT("g", p->g, ga, 0);
+    FQ_EXT("beta", p->beta, ga, 0);
+    FQ_EXT("cu_seqlens", p->cu_seqlens, cu, 0);
+    FQ_EXT("state_indices", p->state_indices, ix, 0);
+    FQ_EXT("workspace", p->workspace, (uint64_t)p->workspace_bytes, 1);
+    if (op == 'f') {
+        FQ_EXT("initial_state", p->h0, stN, 0);
+        FQ_EXT("o", p->o, vo, 1);
+        FQ_EXT("final_state", p->ht, stN, 1);
+    } else if (op == 'b') {
+        FQ_EXT("initial_state", p->h0, stN, 0);
+        FQ_EXT("do", p->dout, vo, 0);
+        FQ_EXT("dfinal_state", p->dht, stN, 0);
+        FQ_EXT("dq", p->dq, qk, 1);
+        FQ_EXT("dk", p->dk, qk, 1);
+        FQ_EXT("dv", p->dv, vo, 1);
+        FQ_EXT("dg", p->dg, ga, 1);
+        FQ_EXT("dbeta", p->dbeta, ga, 1);
+        FQ_EXT("dinitial_state", p->dh0, stN, 1);
+    } else {
+        FQ_EXT("o", p->o, vo, 1);
+        FQ_EXT("state", p->state, sat_mul((uint64_t)p->P, st1), 1);
+    }
+#undef FQ_EXT
+    for (int i = 0; i < n; i++) {
+        if (!e[i].written || !e[i].ptr || e[i].bytes == 0) continue;
+        const uintptr_t a0 = (uintptr_t)e[i].ptr;
+        const uintptr_t a1 = e[i].bytes > UINTPTR_MAX - a0 ? UINTPTR_MAX : a0 + (uintptr_t)e[i].bytes;
+        for (int j = 0; j < n; j++) {
+            if (j == i || !e[j].ptr || e[j].bytes == 0) continue;
+            if (e[j].written && j < i) continue; /* that pair was reported from j */
+            const uintptr_t b0 = (uintptr_t)e[j].ptr;
+            const uintptr_t b1 = e[j].bytes > UINTPTR_MAX - b0 ? UINTPTR_MAX : b0 + (uintptr_t)e[j].bytes;
+            if (a0 < b1 && b0 < a1)
+                return fq_fail(FQ_ERR_VALUE,
+                               "%s and %s overlap in memory: %s is written by this call and must "
+                               "not share bytes with any other argument (pass a separate buffer)",
+                               e[i].name, e[j].name, e[i].name);
+        }
+    }
+    return FQ_OK;
+}
+
+/* ------------------------------------------------------------ contents ---- */
+
+/* Element i of a gate array as a double, and whether it is a legal gate
+ * (g <= 0: not NaN, not positive; -0, 0 and -inf are fine). */
+static double gate_value(const void *g, fq_dtype dt, int64_t i)
+{
+    switch (dt) {
+    case FQ_F32: return ((const float *)g)[i];
+    case FQ_F64: return ((const double *)g)[i];
+    case FQ_BF16: {
+        uint32_t u = (uint32_t)((const uint16_t *)g)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    case FQ_F16: {
+        const uint16_t h = ((const uint16_t *)g)[i];
+        const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+        const double sign = (h & 0x8000) ? -1.0 : 1.0;
+        if (e == 31) return m ? NAN : sign * INFINITY;
+        return sign * (e ? ldexp(1024 + m, e - 25) : ldexp(m, -24));
+    }
+    }
+    return NAN;
+}
+
+fq_status fq_check_contents(const fq_gdn_params *p, char op)
+{
+    const int64_t N = p->N;
+    if (p->cu_seqlens) {
+        int64_t prev = read_index(p->cu_seqlens, p->cu_seqlens_is_int64, 0);
+        if (prev != 0)
+            return fq_fail(FQ_ERR_VALUE, "cu_seqlens: must start at 0, got %lld", (long long)prev);
+        for (int64_t i = 1; i <= N; i++) {
+            int64_t c = read_index(p->cu_seqlens, p->cu_seqlens_is_int64, i);
+            if (c < prev)
+                return fq_fail(FQ_ERR_VALUE,
+                               "cu_seqlens: must be non-decreasing, but cu_seqlens[%lld]=%lld "
+                               "< cu_seqlens[%lld]=%lld",
+                               (long long)i, (long long)c, (long long)(i - 1), (long long)prev);
+            prev = c;
+        }
+        if (prev != p->T)
+            return fq_fail(FQ_ERR_VALUE, "cu_seqlens: must end at the token count T=%lld, got %lld",
+                           (long long)p->T, (long long)prev);
+    }
+    if (p->state_indices) {
+        /* each slot < P, and no non-negative slot twice: two sequences would
+         * update one pool entry at the same time (negative = padding, may
+         * repeat). One bit per slot. */
+        unsigned char *seen = (unsigned char *)calloc((size_t)(p->P + 7) / 8, 1);
+        if (!seen) return fq_fail(FQ_ERR_NOMEM, "state_indices: cannot allocate %lld bytes",
+                                  (long long)((p->P + 7) / 8));
+        fq_status st = FQ_OK;
+        for (int64_t i = 0; i < N && st == FQ_OK; i++) {
+            const int64_t s = read_index(p->state_indices, p->state_indices_is_int64, i);
+            if (s < 0) continue;
+            if (s >= p->P) {
+                st = fq_fail(FQ_ERR_VALUE,
+                             "state_indices: entry %lld is %lld, but the pool has %lld slots",
+                             (long long)i, (long long)s, (long long)p->P);
+            } else if (seen[s >> 3] & (1u << (s & 7))) {
+                int64_t first = 0;
+                while (read_index(p->state_indices, p->state_indices_is_int64, first) != s) first++;
+                st = fq_fail(FQ_ERR_VALUE,
+                             "state_indices: slot %lld appears twice (entries %lld and %lld); each "
+                             "non-negative slot may belong to one sequence only (negative entries "
+                             "are padding and may repeat)",
+                             (long long)s, (long long)first, (long long)i);
+            } else {
+                seen[s >> 3] |= (unsigned char)(1u << (s & 7));
+            }
+        }
+        free(seen);
+        if (st != FQ_OK) return st;
+    }
+    /* g <= 0: one pass over the B*T*HV gates (a positive g is almost always
+     * the decay alpha passed instead of log(alpha), or g and beta swapped) */
+    const int64_t ng = p->B * p->T * p->HV;
+    for (int64_t i = 0; i < ng; i++) {
+        const double x = gate_value(p->g, p->gate_dtype, i);
+        if (!(x <= 0.0)) { /* positive or NaN */
+            const int64_t tok = i / p->HV; /* ng > 0: T >= 1 */
+            return fq_fail(FQ_ERR_VALUE,
+                           "g: got %g at [%lld, %lld, %lld]; g is the log-space decay, g <= 0 "
+                           "(pass log(alpha), not alpha; are g and beta swapped?)",
+                           x, (long long)(tok / p->T), (long long)(tok % p->T),
+                           (long long)(i % p->HV));
+        }
+    }
+    (void)op;
+    return FQ_OK;
+}
+
+/* ---------------------------------------------------------- the checks ---- */
+
+/* Checks that need no device memory; cu_seqlens / state_indices / g contents
+ * are checked here only when `host_contents` is set (CPU backend). */
 static fq_status check_params(const fq_gdn_params *p, char op, int host_contents)
 {
     if (op != 'f' && op != 'b' && op != 'r')
@@ -119,25 +310,6 @@ static fq_status check_params(const fq_gdn_params *p, char op, int host_contents
                            (long long)p->B);
         if (N < 1)
             return fq_fail(FQ_ERR_VALUE, "cu_seqlens: expected at least 2 entries");
-        if (host_contents) {
-            int64_t prev = read_index(p->cu_seqlens, p->cu_seqlens_is_int64, 0);
-            if (prev != 0)
-                return fq_fail(FQ_ERR_VALUE, "cu_seqlens: must start at 0, got %lld",
-                               (long long)prev);
-            for (int64_t i = 1; i <= N; i++) {
-                int64_t c = read_index(p->cu_seqlens, p->cu_seqlens_is_int64, i);
-                if (c < prev)
-                    return fq_fail(FQ_ERR_VALUE,
-                                   "cu_seqlens: must be non-decreasing, but cu_seqlens[%lld]=%lld "
-                                   "< cu_seqlens[%lld]=%lld",
-                                   (long long)i, (long long)c, (long long)(i - 1), (long long)prev);
-                prev = c;
-            }
-            if (prev != p->T)
-                return fq_fail(FQ_ERR_VALUE,
-                               "cu_seqlens: must end at the token count T=%lld, got %lld",
-                               (long long)p->T, (long long)prev);
-        }
     } else if (N != p->B) {
         return fq_fail(FQ_ERR_VALUE, "without cu_seqlens N must equal B (%lld), got %lld",
                        (long long)p->B, (long long)N);
@@ -159,17 +331,10 @@ static fq_status check_params(const fq_gdn_params *p, char op, int host_contents
             return fq_fail(FQ_ERR_VALUE,
                            "state: without state_indices the pool must have N=%lld slots, got %lld",
                            (long long)N, (long long)p->P);
-        if (p->state_indices && host_contents) {
-            for (int64_t i = 0; i < N; i++) {
-                int64_t s = read_index(p->state_indices, p->state_indices_is_int64, i);
-                if (s >= p->P)
-                    return fq_fail(FQ_ERR_VALUE,
-                                   "state_indices: entry %lld is %lld, but the pool has %lld slots",
-                                   (long long)i, (long long)s, (long long)p->P);
-            }
-        }
     }
-    return FQ_OK;
+    fq_status st = check_aliasing(p, op);
+    if (st != FQ_OK) return st;
+    return host_contents ? fq_check_contents(p, op) : FQ_OK;
 }
 
 fq_status fq_check_params(const fq_gdn_params *p, char op)

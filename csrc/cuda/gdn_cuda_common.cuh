@@ -123,6 +123,24 @@ static __device__ __forceinline__ float2 fq_unpack_bf16(uint32_t u)
     return __bfloat1622float2(v);
 }
 
+/* ------------------------------------------------------ full resets ---- */
+
+/* issue 9: a gate g <= FQ_GATE_RESET (-100; -inf included) is a full reset
+ * (gdn.h). The chunk kernels load every gate through this clamp, so that
+ * gamma = cumsum(g) stays finite and no gamma_r - gamma_s is -inf - -inf
+ * (NaN): every difference across a reset is then <= -100, and its e^ is 0 in
+ * float (e^-100 = 4e-44, flushed to zero by __expf), as is e^gamma after a
+ * reset; inside a segment the differences keep their value up to
+ * ulp(100 * resets in the chunk) (1.5e-5 per reset, far below the bf16
+ * budget). This equals the CPU's exact rule (a cumsum restarted at each reset,
+ * gdn_cpu.h fq_cpu_gate_scan) within float. A NaN gate passes through (the
+ * comparison is false): NaN stays NaN. */
+static __device__ __forceinline__ float fq_gate_load(const void *g, fq_dtype dt, int64_t i)
+{
+    const float x = fq_ld_f(g, dt, i);
+    return x < (float)FQ_GATE_RESET ? (float)FQ_GATE_RESET : x;
+}
+
 /* --------------------------------------------- tensor cores (sm_80) ---- */
 
 static __device__ __forceinline__ uint32_t fq_smem_u32(const void *p)
@@ -294,6 +312,15 @@ fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaSt
  * backward's) can be poisoned with fq_cuda_poison_if_invalid. */
 fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, cudaStream_t stream);
 fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int64_t n, cudaStream_t stream);
+
+/* FLASHQLA_CHECK_INPUTS=1 (p->check_inputs): copies g, cu_seqlens and
+ * state_indices to the host (a stream synchronisation, not capturable in a
+ * CUDA graph) and runs the CPU backend's content checks on them
+ * (fq_check_contents: cu_seqlens, duplicate or out-of-range slots, g > 0 or
+ * NaN), before anything is launched. FQ_OK at once when the flag is off.
+ * In gdn_cuda_runtime.cu; each entry point calls it after
+ * fq_check_params_device. */
+fq_status fq_cuda_check_contents(const fq_gdn_params *p, char op);
 
 /* fn(p) with p->device current, the caller's device restored after: the
  * body of the entry points fq_cuda_chunk_fwd / _bwd / fq_cuda_recurrent. */

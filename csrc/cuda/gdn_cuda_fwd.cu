@@ -402,5 +402,6 @@ extern "C" fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p)
     fq_status st = fq_check_params_device(p, 'f');
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
+    if ((st = fq_cuda_check_contents(p, 'f')) != FQ_OK) return st; /* FLASHQLA_CHECK_INPUTS=1 */
     return fq_cuda_on_device(p, fq_chunk_fwd_on_device);
 }

@@ -191,7 +191,7 @@ static __device__ __forceinline__ void fq_wy_gates(const fq_wy_args &args, fq_ch
         gv[h] = bv[h] = rv[h] = 0.f;
         if (ci.seq >= 0 && r < ci.len) {
             int64_t gi = (int64_t)(ci.row0 + r) * args.HV + j;
-            gv[h] = fq_ld_f(args.g, args.gate_dtype, gi);
+            gv[h] = fq_gate_load(args.g, args.gate_dtype, gi); /* full resets: -inf -> -100 */
             bv[h] = fq_ld_f(args.beta, args.gate_dtype, gi);
             rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
         }
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
             gv[h] = bv[h] = rv[h] = 0.f;
             if (r < ci.len) {
                 int64_t gi = (int64_t)(ci.row0 + r) * HV + j;
-                gv[h] = fq_ld_f(args.g, args.gate_dtype, gi);
+                gv[h] = fq_gate_load(args.g, args.gate_dtype, gi); /* full resets: -inf -> -100 */
                 bv[h] = fq_ld_f(args.beta, args.gate_dtype, gi);
                 rv[h] = args.rk ? args.rk[(int64_t)(ci.row0 + r) * args.H + hq] : 1.f;
             }

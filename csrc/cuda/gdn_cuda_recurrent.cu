@@ -19,7 +19,8 @@
  * benchmarks/NOTES.md).
  *
  * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
- * rows of the sequence written as 0, the pool untouched. With cu_seqlens a
+ * rows of the sequence written as 0, the pool untouched; a slot an earlier
+ * sequence already names: o rows NaN, the pool untouched (gdn.h). With cu_seqlens a
  * one-block kernel first validates the offsets into the workspace flag; when
  * invalid, every o element is NaN and the pool is untouched.
  */
@@ -121,6 +122,25 @@ __global__ void __launch_bounds__(128, K == 128 ? 5 : 0) fq_recurrent_kernel(fq_
                 for (int e = 0; e < 4; e++)
                     fq_st_f(args.o, args.dtype, ((bos + t) * HV + j) * V + c0 + e, 0.f);
         return;
+    }
+    /* issue 9: a slot that an earlier sequence names too (duplicate
+     * state_indices; raised as ValueError only under FLASHQLA_CHECK_INPUTS=1,
+     * which needs a host sync) belongs to that first sequence: this one
+     * writes NaN rows and leaves the pool alone, so the result is the same
+     * every run instead of a race between two blocks on one slot. The scan
+     * reads state_indices[0..n) once per block (n / 128 loads per thread). */
+    if (args.idx) {
+        int dup = 0;
+        for (int64_t m = tid; m < n && !dup; m += 128) dup = fq_rec_index(args.idx, args.idx_is64, m) == slot;
+        if (__syncthreads_or(dup)) {
+            if (kg == 0) {
+                const float nan = __int_as_float(0x7fc00000);
+                for (int64_t t = 0; t < len; t++)
+                    for (int e = 0; e < 4; e++)
+                        fq_st_f(args.o, args.dtype, ((bos + t) * HV + j) * V + c0 + e, nan);
+            }
+            return;
+        }
     }
 
     float S[RK][4];
@@ -323,6 +343,7 @@ extern "C" fq_status fq_cuda_recurrent(const fq_gdn_params *p)
     fq_status st = fq_check_params_device(p, 'r');
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
+    if ((st = fq_cuda_check_contents(p, 'r')) != FQ_OK) return st; /* FLASHQLA_CHECK_INPUTS=1 */
     if ((((uintptr_t)p->state | (uintptr_t)p->q | (uintptr_t)p->k | (uintptr_t)p->v) & 15) ||
         (((uintptr_t)p->o) & 7))
         return fq_fail(FQ_ERR_VALUE,

@@ -1,0 +1,326 @@
+"""Issue 9 on the CUDA backend (items 1-5 and 7): one request never poisons
+another.
+
+- NaN isolation: a NaN in one sequence (batch row or packed sequence) or one
+  value head leaves every other (sequence, value head) finite and correct,
+  forward and backward (dq, dk are summed over a GVA group: the group of a
+  NaN value head may go NaN, as in the exact math).
+- Causality across chunks: o of the chunks before the one holding a NaN
+  token stays finite and correct.
+- Full resets: g = -inf (and any g <= -100) gives finite results equal to
+  the float64 reference, forward, backward and the recurrent step.
+- state_indices: without FLASHQLA_CHECK_INPUTS a slot named twice goes to
+  its first sequence, the later one gets NaN o and leaves the pool alone
+  (deterministic); with FLASHQLA_CHECK_INPUTS=1 the call raises ValueError
+  naming state_indices and writes nothing.
+- FLASHQLA_CHECK_INPUTS=1: g > 0 or NaN raises ValueError naming g; bad
+  cu_seqlens raise ValueError (instead of NaN outputs); inside a CUDA graph
+  capture the check refuses with flashqla.Error; unset, nothing is checked
+  and the call is capturable.
+- Aliasing: a written buffer overlapping another argument raises ValueError
+  naming both.
+
+Every test here is marked `gpu` (skipped without a CUDA device or without
+the CUDA build, see conftest.py). Tolerances: the bf16 budget of DESIGN §3.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import flashqla
+from flashqla import _C
+from gdn_testing import (GRAD_NAMES, TOL_BF16_DG, TOL_BF16_GRAD, TOL_BF16_OUT, c_chunk_bwd,
+                         c_chunk_fwd, cast_inputs_torch, make_inputs, reference_of, rel_error,
+                         to_f64)
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+NAMES = ("o", "ht") + GRAD_NAMES
+
+
+def gpu_tol(what):
+    if what in ("o", "ht"):
+        return TOL_BF16_OUT
+    return TOL_BF16_DG if what == "dg" else TOL_BF16_GRAD
+
+
+def _reference(t):
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        return reference_of({n: (None if x is None else to_f64(x)) for n, x in t.items()})
+
+
+def _run_c(t):
+    o, ht = c_chunk_fwd(t)
+    d = c_chunk_bwd(t)
+    torch.cuda.synchronize()
+    out = {"o": o, "ht": ht}
+    out.update(d)
+    return {n: to_f64(x) for n, x in out.items()}
+
+
+def _token_items(t):
+    """[B, T] -> sequence index of every token (B rows or packed sequences)."""
+    B, T = t["q"].shape[:2]
+    seq = np.zeros((B, T), np.int64)
+    if t["cu_seqlens"] is None:
+        seq[:] = np.arange(B)[:, None]
+    else:
+        cu = t["cu_seqlens"].cpu().numpy()
+        for n in range(len(cu) - 1):
+            seq[0, cu[n]:cu[n + 1]] = n
+    return seq
+
+
+def _check_others(out, ref, t, bad_seq, bad_head):
+    """Every (sequence, value head) other than (bad_seq, bad_head) finite and
+    within the bf16 budget; bad_head None: the whole sequence is bad. dq, dk
+    are per q/k head: only sequences other than bad_seq are checked."""
+    seq = _token_items(t)
+    HV = t["v"].shape[2]
+    H = t["q"].shape[2]
+    for name in NAMES:
+        x, r = out[name], ref[name]
+        if x is None:
+            continue
+        if name in ("ht", "dh0"):          # [N, HV, K, V]
+            keep = np.ones(x.shape[:2], bool)
+            keep[bad_seq, :] = bad_head is not None
+            if bad_head is not None:
+                keep[bad_seq, bad_head] = False
+            keep = keep[:, :, None, None]
+        elif name in ("dq", "dk"):         # [B, T, H, K]
+            keep = (seq != bad_seq)[:, :, None, None] & np.ones((1, 1, H, 1), bool)
+        else:                              # [B, T, HV(, V)]
+            keep = np.ones(seq.shape + (HV,), bool)
+            if bad_head is None:
+                keep &= (seq != bad_seq)[:, :, None]
+            else:
+                keep[..., bad_head] &= (seq != bad_seq)
+            if x.ndim == 4:
+                keep = keep[..., None]
+        keep = np.broadcast_to(keep, x.shape)
+        bad = keep & ~np.isfinite(x)
+        assert not bad.any(), (f"{name}: {int(bad.sum())} NaN/Inf outside the poisoned "
+                               f"request (first at {np.argwhere(bad)[0].tolist()})")
+        err = rel_error(np.where(keep, x, 0.0), np.where(keep, r, 0.0))
+        assert err <= gpu_tol(name), f"{name}: rel error {err:.3e} outside the poisoned request"
+
+
+SPOTS = [("v", "batch"), ("k", "batch"), ("beta", "batch"), ("q", "batch"), ("g", "batch"),
+         ("v", "varlen"), ("k", "varlen"), ("g", "varlen"), ("v", "head"), ("k", "head"),
+         ("g", "head"), ("h0", "batch")]
+
+
+@pytest.mark.parametrize("field,layout", SPOTS, ids=[f"{f}-{l}" for f, l in SPOTS])
+def test_cuda_nan_stays_in_its_request(field, layout):
+    """(FLASHQLA_CHECK_INPUTS is off: a NaN g reaches the kernels.)"""
+    if layout == "varlen":
+        inp = make_inputs(1, 0 + 70 + 150 + 40, 1, 2, 128, 128, seed=3, seqlens=[70, 150, 40],
+                          dht=True)
+        bad_seq, tok, row = 1, 70 + 100, 0
+    else:
+        inp = make_inputs(2, 150, 1, 2, 128, 128, seed=3, dht=True)
+        bad_seq, tok, row = 0, 100, 0
+    bad_head = 1 if layout == "head" else None
+    head = 1 if layout == "head" else 0
+    if field == "h0":
+        inp["h0"][bad_seq, head, 3, 5] = np.nan
+        bad_head = head if layout == "head" else None
+    elif field in ("q", "k"):
+        inp[field][row, tok, 0, 7] = np.nan   # H = 1: every value head reads it
+        bad_head = None
+    elif field in ("g", "beta"):
+        inp[field][row, tok, head] = np.nan
+    else:
+        inp[field][row, tok, head, 3] = np.nan
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    _check_others(_run_c(t), _reference(t), t, bad_seq, bad_head)
+
+
+@pytest.mark.parametrize("field", ["v", "k", "beta", "g"])
+def test_cuda_nan_does_not_reach_earlier_chunks(field):
+    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4)
+    tok = 150                                     # chunk 2 (tokens 128..191)
+    if field in ("v", "k"):
+        inp[field][0, tok, 0, 1] = np.nan
+    else:
+        inp[field][0, tok, 0] = np.nan
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    o, _ = c_chunk_fwd(t)
+    o = to_f64(o)
+    ref = _reference(t)["o"]
+    assert np.isfinite(o[0, :128]).all()
+    assert rel_error(o[0, :128], ref[0, :128]) <= TOL_BF16_OUT
+    if field != "k":                              # (H = 1: every value head reads k)
+        assert np.isfinite(o[0, :, 1]).all()      # value head 1 untouched
+
+
+def _reset(g, kind):
+    if kind == "mid":
+        g[0, 30, 0] = -np.inf
+    elif kind == "chunk-edges":
+        g[0, 0, 0] = g[0, 63, 1] = -np.inf
+        g[1, 64, :] = -np.inf
+        g[1, 127, 0] = -np.inf
+    elif kind == "two-in-chunk":
+        g[0, 10, 1] = g[0, 50, 1] = -np.inf
+    elif kind == "runs":
+        g[1, 70:75, 1] = -np.inf
+        g[0, 100:150, 0] = -np.inf
+    elif kind == "finite-huge":
+        g[1, 20, 0] = -1e30
+        g[0, 90, 1] = -150.0
+    elif kind == "every-token":
+        g[1, :, 1] = -np.inf
+
+
+@pytest.mark.parametrize("kind", ["mid", "chunk-edges", "two-in-chunk", "runs", "finite-huge",
+                                  "every-token"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_full_reset_gates_match_reference(kind, dtype):
+    inp = make_inputs(2, 150, 1, 2, 128, 128, seed=5, dht=True)
+    _reset(inp["g"], kind)
+    t = cast_inputs_torch(inp, dtype, device="cuda")
+    out, ref = _run_c(t), _reference(t)
+    for n in NAMES:
+        assert np.isfinite(ref[n]).all()
+        assert np.isfinite(out[n]).all(), f"{n}: {int((~np.isfinite(out[n])).sum())} non-finite"
+        err = rel_error(out[n], ref[n])
+        assert err <= gpu_tol(n), f"{n}: rel error {err:.3e}"
+
+
+def test_cuda_recurrent_full_resets_match_cpu():
+    inp = make_inputs(2, 40, 1, 2, 128, 128, seed=6)
+    _reset(inp["g"], "mid")
+    inp["g"][1, 5:9, :] = -np.inf
+    t = cast_inputs_torch(inp, "float32", device="cuda")
+    pool = t["h0"].clone()
+    o = flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool)
+    c = cast_inputs_torch(inp, "float32")
+    pool_c = c["h0"].clone()
+    o_c = flashqla.gdn_recurrent(c["q"], c["k"], c["v"], c["g"], c["beta"], pool_c)
+    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
+    assert rel_error(o, o_c) <= 1e-4 and rel_error(pool, pool_c) <= 1e-4
+
+
+def _rec_inputs(N, P, seed=7):
+    inp = make_inputs(N, 1, 1, 2, 128, 128, seed=seed)
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    pool = torch.randn((P, 2, 128, 128), device="cuda") * 0.1
+    return t, pool
+
+
+def test_cuda_duplicate_state_indices_first_sequence_owns_the_slot(monkeypatch):
+    monkeypatch.delenv("FLASHQLA_CHECK_INPUTS", raising=False)
+    t, pool = _rec_inputs(3, 4)
+    idx = torch.tensor([2, 0, 2], dtype=torch.int32, device="cuda")
+    results = []
+    for _ in range(5):
+        p = pool.clone()
+        o = flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], p, state_indices=idx)
+        results.append((o.float().cpu(), p.cpu()))
+    # deterministic, and equal to running sequences 0 and 1 alone
+    for o, p in results[1:]:
+        assert torch.equal(o[:2], results[0][0][:2]) and torch.equal(p, results[0][1])
+    o, p = results[0]
+    assert torch.isnan(o[2]).all()
+    p_ref = pool.clone()
+    o_ref = flashqla.gdn_recurrent(t["q"][:2], t["k"][:2], t["v"][:2], t["g"][:2], t["beta"][:2],
+                                   p_ref, state_indices=idx[:2])
+    assert torch.equal(o[:2], o_ref.float().cpu()) and torch.equal(p, p_ref.cpu())
+
+
+def test_cuda_duplicate_state_indices_raise_with_check_inputs(monkeypatch):
+    monkeypatch.setenv("FLASHQLA_CHECK_INPUTS", "1")
+    t, pool = _rec_inputs(3, 4)
+    before = pool.clone()
+    idx = torch.tensor([2, 0, 2], dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match=r"^state_indices: slot 2 appears twice"):
+        flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, state_indices=idx)
+    assert torch.equal(pool, before)
+    # negative slots may repeat
+    idx = torch.tensor([-1, 0, -1], dtype=torch.int64, device="cuda")
+    flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, state_indices=idx)
+
+
+@pytest.mark.parametrize("value", [0.5, float("nan"), float("inf")])
+def test_cuda_check_inputs_gates(monkeypatch, value):
+    inp = make_inputs(1, 100, 1, 2, 128, 128, seed=8)
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    t["g"][0, 40, 1] = value
+    monkeypatch.setenv("FLASHQLA_CHECK_INPUTS", "1")
+    with pytest.raises(ValueError, match=r"^g: got .* at \[0, 40, 1\]; g is the log-space decay"):
+        flashqla.gdn_chunk(t["q"], t["k"], t["v"], t["g"], t["beta"])
+    pool = t["h0"].clone()
+    with pytest.raises(ValueError, match=r"^g: got"):
+        flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool)
+    assert torch.equal(pool, t["h0"])
+    monkeypatch.delenv("FLASHQLA_CHECK_INPUTS")
+    flashqla.gdn_chunk(t["q"], t["k"], t["v"], t["g"], t["beta"])   # unchecked: runs
+
+
+def test_cuda_check_inputs_cu_seqlens(monkeypatch):
+    inp = make_inputs(1, 100, 1, 2, 128, 128, seed=9, seqlens=[40, 60])
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    bad = torch.tensor([0, 70, 60], dtype=torch.int64, device="cuda")
+    monkeypatch.setenv("FLASHQLA_CHECK_INPUTS", "1")
+    with pytest.raises(ValueError, match=r"^cu_seqlens: must be non-decreasing"):
+        flashqla.gdn_chunk(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=bad)
+
+
+def test_cuda_check_inputs_refused_inside_graph_capture(monkeypatch):
+    inp = make_inputs(1, 64, 1, 2, 128, 128, seed=10)
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    o = torch.empty_like(t["v"])
+    n = _C.workspace_bytes("fwd", 1, 64, 1, 2, 128, 128, 1, "bfloat16")
+    ws = torch.empty(n, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    monkeypatch.setenv("FLASHQLA_CHECK_INPUTS", "1")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(flashqla.Error, match="CUDA graph capture"):
+        with torch.cuda.graph(graph, stream=s):
+            _C.chunk_fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], o, scale=None,
+                         stream=s.cuda_stream, workspace=ws)
+    monkeypatch.delenv("FLASHQLA_CHECK_INPUTS")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        _C.chunk_fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], o, scale=None, stream=s.cuda_stream,
+                     workspace=ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
+
+
+def test_cuda_aliasing_rejected_naming_both():
+    r = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn((1, 16, 4, 128), device="cuda", generator=r)
+    v = torch.randn((1, 16, 16, 128), device="cuda", generator=r)
+    g = torch.full((1, 16, 16), -.1, device="cuda")
+    b = g * 0 + .5
+    big = torch.zeros(16 * 128 * 128 + 1024, device="cuda")
+    vv = big[:v.numel()].view(v.shape)
+    vv.copy_(v)
+    pool = big[64:64 + 16 * 128 * 128].view(1, 16, 128, 128)
+    with pytest.raises(ValueError, match=r"^state and v overlap in memory"):
+        flashqla.gdn_recurrent(q, q, vv, g, b, pool)
+    assert torch.equal(vv, v)
+    # o over q (q at the start of `big`, o 256 floats further on)
+    qq = big[:q.numel()].view(q.shape)
+    qq.copy_(q)
+    o = big[256:256 + v.numel()].view(v.shape)
+    with pytest.raises(ValueError, match=r"^o and q overlap in memory"):
+        _C.chunk_fwd(qq, q, v, g, b, o, scale=None, **_launch_fwd(q, v))
+    assert torch.equal(qq, q)
+
+
+def _launch_fwd(q, v):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    n = _C.workspace_bytes("fwd", B, T, H, HV, K, V, B, str(q.dtype).replace("torch.", ""))
+    ws = torch.empty(n, dtype=torch.uint8, device=q.device) if n else None
+    return {"stream": torch.cuda.current_stream().cuda_stream, "workspace": ws}
