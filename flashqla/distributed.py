@@ -41,9 +41,16 @@ from S_in = 0 (with the sequence's initial state where it starts on the rank):
 
 Costs per rank beyond the single-device call on its slice: one forward with
 value dim K (step 1), two K×V-per-token einsums, and K×(K+V) floats per head
-exchanged forward and K×V backward. The split depends only on shapes (cu_seqlens
-is read on the device, never on the host), so the call can be captured in a CUDA
-graph with NCCL; collectives run on the current stream's order.
+exchanged forward and K×V backward. The split depends only on shapes: a device
+cu_seqlens is never read on the host (a host one is checked, then copied), and
+the collectives are ordered on the current stream. Capture in a CUDA graph
+(device cu_seqlens, NCCL) is intended but not yet tried.
+
+Precision: oM is kept in q's dtype, so with bf16 inputs the corrections and G
+carry one more bf16 rounding than the single-device call (on the CPU backend at
+bf16: dg, dbeta ~4e-4 and dh0 ~6e-5 relative error instead of ~1e-6, within
+DESIGN §3's 2e-2 / 1e-2; o 2.2e-3 instead of 1.7e-3). float32 and float64 are
+as exact as the single-device call.
 
 Contract:
 - Every rank calls with the same cu_seqlens (global offsets, [N+1], ending at
