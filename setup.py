@@ -12,6 +12,9 @@ csrc/cuda/gdn_cuda_stub.c stands in and the build is CPU-only.
 Environment:
     FLASHQLA_NO_CUDA=1            CPU-only build even where nvcc exists
     FLASHQLA_CPU_ARCH=portable    no -march=native (a wheel for other CPUs)
+    FLASHQLA_NO_XLA_FFI=1         no XLA FFI handlers (csrc/xla/; flashqla.jax then says so)
+    FLASHQLA_XLA_FFI_INCLUDE=DIR  the folder with xla/ffi/api/c_api.h (default: jaxlib's, if
+                                  importable at build time, else csrc/third_party's copy)
     CUDA_HOME / CUDA_PATH         the CUDA toolkit to use
     MAX_JOBS=N                    parallel compiler processes
 """
@@ -78,7 +81,32 @@ def newer_than(target, sources):
     return any(os.path.getmtime(s) > t for s in sources if os.path.exists(s))
 
 
+def find_xla_ffi():
+    """The folder holding xla/ffi/api/c_api.h for csrc/xla/ (the XLA FFI
+    handlers), or None: FLASHQLA_XLA_FFI_INCLUDE if set; else the jaxlib of
+    the build environment (the folder jax.ffi.include_dir() names, found
+    without importing jax); else the copy in csrc/third_party (pip's isolated
+    build has no jaxlib). FLASHQLA_NO_XLA_FFI=1 builds without the handlers."""
+    if env_flag("FLASHQLA_NO_XLA_FFI"):
+        return None
+    header = os.path.join("xla", "ffi", "api", "c_api.h")
+    candidates = [os.environ.get("FLASHQLA_XLA_FFI_INCLUDE")]
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("jaxlib")
+        if spec is not None and spec.origin:
+            candidates.append(os.path.join(os.path.dirname(spec.origin), "include"))
+    except (ImportError, ValueError):
+        pass
+    candidates.append(os.path.join(HERE, CSRC, "third_party"))
+    for d in candidates:
+        if d and os.path.isfile(os.path.join(d, header)):
+            return d
+    return None
+
+
 CUDA_ROOT, NVCC = find_cuda()
+XLA_FFI_INCLUDE = find_xla_ffi()
 C_SOURCES = sorted(glob(os.path.join(CSRC, "**", "*.c"), recursive=True))
 CU_SOURCES = sorted(glob(os.path.join(CSRC, "cuda", "*.cu"))) if NVCC else []
 STUB = os.path.join(CSRC, "cuda", "gdn_cuda_stub.c")
@@ -136,6 +164,8 @@ class BuildExt(build_ext):
         obj_dir = os.path.join(self.build_temp, "flashqla_objs")
         os.makedirs(obj_dir, exist_ok=True)
         include = [os.path.join(HERE, CSRC)] + list(ext.include_dirs) + list(self.include_dirs or [])
+        if XLA_FFI_INCLUDE:
+            include.append(XLA_FFI_INCLUDE)
         jobs = []
         for src in ext.sources:
             obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
@@ -153,8 +183,9 @@ class BuildExt(build_ext):
     def _compile_c(self, src, obj, include):
         if not (self.force or newer_than(obj, [src] + HEADERS)):
             return obj
+        defines = ["-DFQ_HAVE_XLA_FFI"] if XLA_FFI_INCLUDE else []
         cmd = (list(self.compiler.compiler_so) + [f"-I{d}" for d in include]
-               + c_flags() + ["-c", src, "-o", obj])
+               + c_flags() + defines + ["-c", src, "-o", obj])
         self._spawn(cmd)
         return obj
 
@@ -184,6 +215,11 @@ def long_description():
     return "Gated DeltaNet (gated delta rule) kernels for CPU and NVIDIA Hopper."
 
 
+if XLA_FFI_INCLUDE:
+    print(f"flashqla: XLA FFI handlers for JAX, header from {XLA_FFI_INCLUDE}", file=sys.stderr)
+else:
+    print("flashqla: no XLA FFI header (FLASHQLA_NO_XLA_FFI=1, or none found): flashqla.jax "
+          "will not work", file=sys.stderr)
 if NVCC:
     print(f"flashqla: building with CUDA ({NVCC})", file=sys.stderr)
 else:

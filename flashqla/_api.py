@@ -20,11 +20,17 @@ jax.py for JAX) and both call down into _prepared.py, which calls _C.
 """
 
 from ._frameworks import JAX, TORCH, common_framework
-from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, gdn_chunk_bwd, gdn_chunk_fwd,
-                        prepare_inputs, recurrent_prepared, resolve_scale)
+from . import _prepared
+from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, prepare_inputs,
+                        recurrent_prepared, resolve_scale)
 
 __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
            "chunk_gated_delta_rule", "ChunkContext"]
+
+
+def _jax_front():
+    from . import jax
+    return jax
 
 
 def _torch_front():
@@ -47,10 +53,9 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     (fullgraph=True), torch.func.grad and CUDA graphs work; with JAX arrays,
     jax.grad works (flashqla.jax.gdn_chunk, a jax.custom_vjp)."""
     fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
-                           ("initial_state", initial_state)], check=False)
-    if fw is JAX:  # (JAX tracers are checked inside, where jax.grad hands over values)
-        from . import jax as fq_jax
-        return fq_jax.gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           ("initial_state", initial_state)])
+    if fw is JAX:  # an XLA custom call, with jax.custom_vjp
+        return _jax_front().gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     if fw is TORCH:  # torch.ops.flashqla.chunk_fwd, with autograd
@@ -60,6 +65,34 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     fw, q, k, v, g, beta, h0, cu = prepare_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, resolve_scale(scale, q),
                               output_final_state, use_qk_l2norm)
+
+
+def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
+                  output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):
+    """Chunked forward of the gated delta rule without autograd.
+
+    Shapes as gdn_chunk. Returns (o, final_state, ctx): final_state
+    [N, HV, K, V] is None unless output_final_state; ctx goes to
+    gdn_chunk_bwd. Works for every framework (JAX: flashqla.jax's custom
+    calls)."""
+    fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state)])
+    impl = _jax_front() if fw is JAX else _prepared
+    return impl.gdn_chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                              use_qk_l2norm=use_qk_l2norm)
+
+
+def gdn_chunk_bwd(ctx, do, dfinal_state=None):
+    """Backward of gdn_chunk_fwd: from do [B, T, HV, V] (and dfinal_state
+    [N, HV, K, V], None meaning zero) returns (dq, dk, dv, dg, dbeta,
+    dinitial_state), each in the dtype of its input; dinitial_state is None
+    when no initial state was given."""
+    if isinstance(ctx, ChunkContext) and ctx.framework is JAX:
+        dfw = common_framework([("do", do), ("dfinal_state", dfinal_state)])
+        if dfw is not JAX:
+            raise TypeError(f"do: is a {dfw.name} array but the forward ran on jax arrays")
+        return _jax_front().gdn_chunk_bwd(ctx, do, dfinal_state)
+    return _prepared.gdn_chunk_bwd(ctx, do, dfinal_state)
 
 
 # ------------------------------------------------------ public: recurrent ----

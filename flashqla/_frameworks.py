@@ -23,9 +23,6 @@ class Framework:
 
     name = "?"
 
-    def check(self, x, argname):
-        pass
-
     def dtype_name(self, x):
         return x.dtype.name
 
@@ -199,71 +196,10 @@ class CupyFramework(Framework):
 # -------------------------------------------------------------------- JAX ----
 
 class JaxFramework(Framework):
-    """JAX arrays are immutable and JAX does not hand out its CUDA stream:
-    outputs are buffers flashqla allocates itself (_C.empty) and passes to
-    JAX through DLPack; inputs are made ready first, the work runs on the
-    legacy default stream and is waited for before JAX sees the outputs."""
+    """JAX arrays are computed by flashqla.jax, as XLA custom calls (the XLA
+    FFI), never through DLPack: this adapter only tells them apart."""
 
     name = "jax"
-
-    def check(self, x, argname):
-        import jax
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(
-                f"{argname}: flashqla works on concrete JAX arrays only, got a tracer "
-                f"({type(x).__name__}); call it outside jax.jit / jax.vmap (jax.grad works)")
-
-    def contiguous(self, x):
-        return x
-
-    def astype(self, x, dtype_name):
-        return x.astype(dtype_name)
-
-    def index_array(self, x, like, argname):
-        import jax
-        import jax.numpy as jnp
-        if not isinstance(x, jax.Array):
-            x = jnp.asarray(_numpy_index(x))
-        dev = next(iter(like.devices()))
-        if next(iter(x.devices())) != dev:
-            x = jax.device_put(x, dev)
-        return x
-
-    def device(self, x):
-        dev = next(iter(x.devices()))
-        if dev.platform == "cpu":
-            return ("cpu", 0)
-        if dev.platform in ("gpu", "cuda"):
-            return ("cuda", int(getattr(dev, "local_hardware_id", dev.id)))
-        raise ValueError(f"flashqla: JAX platform {dev.platform!r} is not supported")
-
-    def empty(self, shape, dtype_name, like):
-        kind, idx = self.device(like)
-        return _C.empty(tuple(int(s) for s in shape), dtype_name, kind, idx)
-
-    def launch(self, op, like, sizes, dtype_name):
-        kind, idx = self.device(like)
-        if kind != "cuda":
-            return {}
-        n = _workspace_size(op, sizes, dtype_name)
-        ws = _C.empty((n,), "uint8", "cuda", idx) if n > 0 else None
-        return {"stream": None, "workspace": ws}
-
-    def before_call(self, arrays):
-        for a in arrays:
-            if a is not None and hasattr(a, "block_until_ready"):
-                a.block_until_ready()
-
-    def after_call(self, like):
-        kind, idx = self.device(like)
-        if kind == "cuda":
-            _C.synchronize(idx)
-
-    def output(self, buf):
-        if buf is None:
-            return None
-        import jax
-        return jax.dlpack.from_dlpack(buf)
 
 
 def _numpy_index(x):
@@ -312,16 +248,14 @@ def framework_of(x, argname):
     return fw
 
 
-def common_framework(arrays, check=True):
+def common_framework(arrays):
     """arrays: (name, array-or-None) pairs; all non-None must share one
-    framework. check=False skips the framework's own check (JAX: tracers)."""
+    framework, whose adapter is returned (None when all are None)."""
     fw, first = None, None
     for name, x in arrays:
         if x is None:
             continue
         f = framework_of(x, name)
-        if check:
-            f.check(x, name)
         if fw is None:
             fw, first = f, name
         elif f is not fw:

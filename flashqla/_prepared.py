@@ -164,8 +164,8 @@ def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
     """Chunked forward of the gated delta rule without autograd.
 
     Returns (o, final_state, ctx): final_state [N, HV, K, V] is None unless
-    output_final_state; ctx goes to gdn_chunk_bwd. Works for every framework;
-    the autograd wrappers (PyTorch, JAX) are built on this pair."""
+    output_final_state; ctx goes to gdn_chunk_bwd. NumPy, PyTorch and CuPy
+    arrays (JAX arrays take flashqla.jax.gdn_chunk_fwd, an XLA custom call)."""
     grad_dtypes = None
     fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state)])
     if fw is not None:

@@ -95,15 +95,16 @@ _NOT_SOURCE = {"build", "dist", "__pycache__", "venv", "node_modules"}
 
 
 def _source_dirs():
-    """Every folder of the source tree (relative, '/'-joined), build outputs and
-    hidden folders (but .ci) left out."""
+    """Every folder of the source tree down to two levels (relative, '/'-joined;
+    deeper ones belong to their parent's entry), build outputs and hidden
+    folders (but .ci) left out."""
     found = set()
     for dirpath, dirnames, _ in os.walk(ROOT):
         rel = os.path.relpath(dirpath, ROOT)
         dirnames[:] = [d for d in dirnames
                        if d not in _NOT_SOURCE and not d.endswith(".egg-info")
                        and (not d.startswith(".") or (rel == "." and d == ".ci"))]
-        if rel != ".":
+        if rel != "." and rel.count(os.sep) < 2:
             found.add(rel.replace(os.sep, "/"))
     return found
 

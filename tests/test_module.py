@@ -5,7 +5,8 @@ What is checked here is the binding, not the numbers: DLPack capsules
 used_*, deleters called, reference counts unchanged, no memory growth over
 10 000 calls), every validation message and its exception type, that a
 rejected call writes nothing, read-only and non-contiguous arrays, devices,
-byte_offset, _C.Buffer exports and the small utility functions. Numerical
+byte_offset, and the small utility functions (the XLA FFI handlers are
+tested through flashqla.jax, tests/test_jax.py). Numerical
 correctness of the kernels is tested in test_chunk_*.py / test_recurrent.py.
 
 Fake arrays (a CUDA tensor on a machine without a GPU, odd strides,
@@ -802,112 +803,6 @@ def test_gil_released_during_compute():
     longest_stall = max(b - a for a, b in zip(inside, inside[1:]))
     assert longest_stall < 0.5 * (t1 - t0), (
         f"main thread stalled {longest_stall:.3f} s during a {t1 - t0:.3f} s call")
-
-
-# --------------------------------------------------------------- Buffer ----
-
-def test_buffer_exports_zero_copy_to_numpy_and_keeps_itself_alive():
-    buf = _C.empty((3, 5), "float32", 1, 0)
-    assert buf.shape == (3, 5) and buf.dtype == "float32" and buf.device == "cpu"
-    assert buf.nbytes == 60 and buf.data_ptr % 64 == 0
-    assert buf.__dlpack_device__() == (1, 0)
-    base = sys.getrefcount(buf)
-    arr = np.from_dlpack(buf)
-    assert arr.ctypes.data == buf.data_ptr and arr.shape == (3, 5) and arr.flags.writeable
-    assert sys.getrefcount(buf) == base + 1
-    arr[:] = 7.0
-    del buf
-    gc.collect()
-    assert (arr == 7.0).all()  # memory still owned through the export
-    arr2 = arr + 1
-    del arr
-    gc.collect()
-    assert (arr2 == 8.0).all()
-
-
-def test_buffer_capsule_kinds_and_unconsumed_capsules():
-    buf = _C.empty((4,), "int32", "cpu", 0)
-    base = sys.getrefcount(buf)
-    legacy = buf.__dlpack__()
-    versioned = buf.__dlpack__(max_version=(1, 0))
-    old = buf.__dlpack__(max_version=(0, 8))
-    assert '"dltensor"' in repr(legacy) and '"dltensor"' in repr(old)
-    assert '"dltensor_versioned"' in repr(versioned)
-    assert sys.getrefcount(buf) == base + 3
-    del legacy, versioned, old  # never consumed: the capsule destructors release
-    gc.collect()
-    assert sys.getrefcount(buf) == base
-
-
-def test_buffer_dlpack_arguments():
-    buf = _C.empty((2,), "float64", 1, 0)
-    with pytest.raises(BufferError, match="copy=True is not supported"):
-        buf.__dlpack__(copy=True)
-    with pytest.raises(BufferError, match="cannot be exported to"):
-        buf.__dlpack__(dl_device=(2, 0))
-    buf.__dlpack__(dl_device=(1, 0), copy=False, stream=None)
-    with pytest.raises(TypeError):
-        buf.__dlpack__(1)
-    with pytest.raises(TypeError):
-        _C.Buffer()
-
-
-@needs_torch
-def test_buffer_to_torch_zero_copy_bfloat16():
-    buf = _C.empty((2, 3), "bfloat16", "cpu", 0)
-    t = torch.from_dlpack(buf)
-    assert t.dtype == torch.bfloat16 and t.shape == (2, 3) and t.data_ptr() == buf.data_ptr
-
-
-def test_buffer_to_jax_zero_copy():
-    jax = pytest.importorskip("jax")
-    buf = _C.empty((4, 16), "float32", "cpu", 0)
-    np.from_dlpack(buf)[:] = 3.0
-    j = jax.dlpack.from_dlpack(buf)
-    assert j.shape == (4, 16) and j.dtype == np.float32
-    assert float(j.sum()) == 3.0 * 64
-    assert j.unsafe_buffer_pointer() == buf.data_ptr
-
-
-def test_buffer_as_output_of_a_call():
-    a = make_inputs()
-    fwd(a)
-    o = _C.empty((B, T, HV, V), "float32", 1, 0)
-    ht = _C.empty((B, HV, K, V), "float32", 1, 0)
-    fwd(a, o=o, final_state=ht)
-    np.testing.assert_array_equal(np.from_dlpack(o), a["o"])
-    np.testing.assert_array_equal(np.from_dlpack(ht), a["final_state"])
-
-
-def test_empty_errors():
-    with pytest.raises(ValueError, match="dimensions must be >= 0"):
-        _C.empty((2, -1), "float32", 1, 0)
-    with pytest.raises(TypeError, match="dtype: expected one of"):
-        _C.empty((2,), "complex64", 1, 0)
-    with pytest.raises(ValueError, match="device_type: expected"):
-        _C.empty((2,), "float32", 7, 0)
-    with pytest.raises(ValueError, match="too many elements"):
-        _C.empty((2 ** 62, 4), "float32", 1, 0)
-    with pytest.raises(MemoryError):
-        _C.empty((2 ** 50,), "uint8", 1, 0)
-    with pytest.raises(ValueError, match="at most 8 dimensions"):
-        _C.empty((1,) * 9, "float32", 1, 0)
-    assert _C.empty((), "float32", 1, 0).shape == ()
-    assert _C.empty(5, "uint8", 1, 0).shape == (5,)
-    assert _C.empty((0, 3), "float32", 1, 0).nbytes == 0
-
-
-def test_cuda_helpers_without_a_gpu():
-    if torch is not None and torch.cuda.is_available():
-        pytest.skip("a GPU is present: covered by the gpu tests")
-    with pytest.raises(_C.Error):
-        _C.empty((4,), "float32", "cuda", 0)
-    with pytest.raises(_C.Error):
-        _C.synchronize(0)
-    if not _C.cuda_built():
-        with pytest.raises(_C.Error, match=re.escape(
-                "flashqla was built without CUDA (no nvcc found at build time)")):
-            _C.synchronize(0, stream=None)
 
 
 # ------------------------------------------------------------- utilities ---

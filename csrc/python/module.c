@@ -7,10 +7,8 @@
  * fq_gdn_params. Its files, each calling only down the list:
  *
  *   module.c         the ops (chunk_fwd, chunk_bwd, recurrent, ...), dispatch
- *                    to fq_cpu_* / fq_cuda_* with the GIL released, the module
- *   dlpack_export.c  _C.Buffer and _C.empty: memory owned by flashqla exported
- *                    through __dlpack__ (for JAX, which cannot hand out
- *                    writable arrays)
+ *                    to fq_cpu_* / fq_cuda_* with the GIL released, the XLA
+ *                    FFI handlers of csrc/xla handed to flashqla.jax, the module
  *   validate.c       the arguments of one call imported and checked in a
  *                    fixed order (dtype, shape, device, contiguity, data
  *                    pointer, read-only), then the fq_gdn_params filled
@@ -42,7 +40,7 @@
 #include "errors.h"
 #include "dlpack_import.h"
 #include "validate.h"
-#include "dlpack_export.h"
+#include "xla/gdn_xla.h"
 
 /* Runs op 'f', 'b' or 'r' on q's device with the GIL released. `ws` is the
  * workspace slot (imported only for CUDA calls). */
@@ -344,34 +342,42 @@ static PyObject *fq_default_threads(PyObject *self, PyObject *unused)
     return PyLong_FromLong(fq_cpu_default_threads());
 }
 
-PyDoc_STRVAR(fq_synchronize_doc,
-"synchronize(device_id, stream=None) -> None\n\n"
-"Waits for the work queued on `stream` (an int cudaStream_t; None: the legacy\n"
-"default stream) of CUDA device `device_id`.");
+PyDoc_STRVAR(fq_xla_ffi_targets_doc,
+"xla_ffi_targets() -> list of (name, platform, capsule)\n\n"
+"The XLA FFI handlers of this build (csrc/xla/gdn_xla.h), each a PyCapsule\n"
+"of an XLA_FFI_Handler pointer for jax.ffi.register_ffi_target(name, capsule,\n"
+"platform=platform). Empty when the build had no XLA FFI header.");
 
-static PyObject *fq_synchronize(PyObject *self, PyObject *args, PyObject *kwds)
+static PyObject *fq_xla_ffi_targets(PyObject *self, PyObject *unused)
 {
-    static char *kwlist[] = {"device_id", "stream", NULL};
-    int device = 0;
-    PyObject *stream_obj = Py_None;
-    unsigned long long stream = 0;
-    fq_status st;
+    PyObject *list = NULL, *capsule = NULL, *item = NULL;
+    int n = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|O:synchronize", kwlist, &device, &stream_obj))
-        return NULL;
-    if (fq_stream_value(stream_obj, &stream) < 0) return NULL;
-    if (device < 0) {
-        PyErr_Format(PyExc_ValueError, "device_id: expected >= 0, got %d", device);
-        return NULL;
+    (void)unused;
+    const fq_xla_target *t = fq_xla_targets(&n);
+    list = PyList_New(0);
+    if (!list) goto fail;
+    for (int i = 0; i < n; i++) {
+        capsule = PyCapsule_New(t[i].handler, NULL, NULL); /* unnamed, as jax.ffi.pycapsule */
+        if (!capsule) goto fail;
+        item = Py_BuildValue("(ssO)", t[i].name, t[i].platform, capsule);
+        if (!item || PyList_Append(list, item) < 0) goto fail;
+        Py_CLEAR(item);
+        Py_CLEAR(capsule);
     }
-    Py_BEGIN_ALLOW_THREADS
-    st = fq_cuda_synchronize_stream(device, (void *)(uintptr_t)stream);
-    Py_END_ALLOW_THREADS
-    if (st != FQ_OK) {
-        fq_raise_status(st);
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return list;
+fail:
+    Py_XDECREF(item);
+    Py_XDECREF(capsule);
+    Py_XDECREF(list);
+    return NULL;
+}
+
+static PyObject *fq_xla_ffi_api_version(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(fq_xla_api_version());
 }
 
 /* ================================================================ module == */
@@ -385,8 +391,9 @@ static PyMethodDef fq_methods[] = {
     {"cuda_built", fq_cuda_built_py, METH_NOARGS, "cuda_built() -> bool: was the CUDA backend compiled in"},
     {"default_threads", fq_default_threads, METH_NOARGS,
      "default_threads() -> int: CPU threads used when num_threads=0 (FLASHQLA_NUM_THREADS or all cores)"},
-    {"synchronize", (PyCFunction)(void (*)(void))fq_synchronize, METH_VARARGS | METH_KEYWORDS,
-     fq_synchronize_doc},
+    {"xla_ffi_targets", fq_xla_ffi_targets, METH_NOARGS, fq_xla_ffi_targets_doc},
+    {"xla_ffi_api_version", fq_xla_ffi_api_version, METH_NOARGS,
+     "xla_ffi_api_version() -> str: the XLA FFI C API version of the handlers (\"\" without)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -410,7 +417,6 @@ PyMODINIT_FUNC PyInit__C(void)
         if (!fq_Error) goto fail;
     }
     if (PyModule_AddObjectRef(m, "Error", fq_Error) < 0) goto fail;
-    if (fq_buffer_add_to_module(m) < 0) goto fail; /* _C.Buffer, _C.empty */
     if (PyModule_AddIntConstant(m, "DLPACK_MAJOR_VERSION", DLPACK_MAJOR_VERSION) < 0) goto fail;
     return m;
 fail:

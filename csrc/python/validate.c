@@ -51,7 +51,7 @@ void fq_call_release(fq_call *c)
 }
 
 /* An int stream (anything with __index__) or None (0). */
-int fq_stream_value(PyObject *obj, unsigned long long *v)
+static int fq_stream_value(PyObject *obj, unsigned long long *v)
 {
     PyObject *index = NULL;
     *v = 0;

@@ -52,7 +52,5 @@ void fq_call_params(const fq_call *c, fq_gdn_params *p, double scale, int use_qk
 /* scale is a required keyword; None means the usual K^-1/2 (*use_default),
  * resolved once K is known. Checked before any array is imported. */
 int fq_parse_scale(PyObject *obj, const char *fn, double *scale, int *use_default);
-/* An int stream (anything with __index__) or None (0). */
-int fq_stream_value(PyObject *obj, unsigned long long *v);
 
 #endif /* FQ_PY_VALIDATE_H */
