@@ -11,7 +11,11 @@ csrc/cuda/gdn_cuda_stub.c stands in and the build is CPU-only.
 
 Environment:
     FLASHQLA_NO_CUDA=1            CPU-only build even where nvcc exists
-    FLASHQLA_CPU_ARCH=portable    no -march=native (a wheel for other CPUs)
+    FLASHQLA_NATIVE=1             -march=native for the whole library (a build for
+                                  this machine only); default: portable, baseline
+                                  x86-64 / AArch64, the per-ISA CPU kernels
+                                  (csrc/cpu/gdn_cpu_kernels_<isa>.c) carry their
+                                  own target pragmas and are picked at run time
     FLASHQLA_NO_XLA_FFI=1         no XLA FFI handlers (csrc/xla/; flashqla.jax then says so)
     FLASHQLA_XLA_FFI_INCLUDE=DIR  the folder with xla/ffi/api/c_api.h (default: jaxlib's, if
                                   importable at build time, else csrc/third_party's copy)
@@ -61,7 +65,7 @@ def find_cuda():
 
 def c_flags():
     flags = list(C_FLAGS)
-    if os.environ.get("FLASHQLA_CPU_ARCH", "native").strip().lower() != "portable":
+    if env_flag("FLASHQLA_NATIVE"):
         flags.insert(2, "-march=native")
     return flags
 

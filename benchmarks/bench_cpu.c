@@ -2,14 +2,12 @@
  * bench_cpu.c — CPU benchmark of the flashqla core, in plain C (no Python):
  * links csrc/gdn_common.c and the CPU backend files directly.
  *
- * Build and run from the repository root (TEAM.md flags):
+ * Build and run from the repository root (portable flags, as pip's build):
  *
- *   cc -std=c11 -O3 -march=native -fno-math-errno -ffp-contract=fast -pthread \
- *      -I csrc benchmarks/bench_cpu.c csrc/gdn_common.c csrc/cpu/gdn_cpu_common.c \
- *      csrc/cpu/gdn_cpu_fwd.c csrc/cpu/gdn_cpu_recurrent.c -lm -o /tmp/bench_cpu
- *   /tmp/bench_cpu [results-dir]     (default benchmarks/results)
+ *   make -C benchmarks bench_cpu
+ *   benchmarks/bench_cpu [results-dir]     (default benchmarks/results)
  *
- * (or `make -C benchmarks bench_cpu`). Measures, fp32, K = V = 128:
+ * Measures, fp32, K = V = 128:
  *   prefill: fq_cpu_chunk_fwd, one 8192-token sequence, H = HV = 4, h0 given,
  *            final state requested;
  *   decode:  fq_cpu_recurrent, T = 1, 16 sequences, H = 16, HV = 32, state
@@ -29,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#define BENCH_FLAGS "-std=c11 -O3 -march=native -fno-math-errno -ffp-contract=fast -pthread"
+#define BENCH_FLAGS "-std=c11 -O3 -fno-math-errno -ffp-contract=fast -pthread"
 
 static uint64_t rng = 0x243f6a8885a308d3ull;
 

@@ -181,6 +181,14 @@ fq_status fq_cpu_chunk_bwd(const fq_gdn_params *p);
 /* Recurrent step over T tokens per sequence, state pool updated in place;
  * writes o. */
 fq_status fq_cpu_recurrent(const fq_gdn_params *p);
+/* The instruction set whose float kernels the CPU backend runs: "avx512",
+ * "avx2", "neon" or "scalar". Chosen once, at the first call: the best one
+ * this CPU runs (x86-64: cpuid at run time; AArch64: NEON, fixed at build
+ * time), or the one named by FLASHQLA_CPU_ISA (auto | avx512 | avx2 | neon |
+ * scalar). A forced set this CPU or build cannot run makes this and every CPU
+ * entry point fail with FQ_ERR_UNSUPPORTED (an unknown name: FQ_ERR_VALUE),
+ * naming what it can run. */
+fq_status fq_cpu_isa(const char **name);
 
 /* --------------------------------------------------------------- CUDA ---- */
 /* 1 if the library was built with the CUDA backend, else 0 (then every

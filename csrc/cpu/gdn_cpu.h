@@ -14,8 +14,15 @@
  *   fq_cpu_trmm_*          the same for a triangular A, exactly (gdn_cpu_trmm.c)
  *   fq_cpu_gate_scan       chunk-local cumulative gate with full resets
  *   fq_cpu_expf            vectorisable float exp
+ *   fq_cpu_kernels         the float kernels of one instruction set (one
+ *                          gdn_cpu_kernels_<isa>.c each), fq_cpu_kernels_get
+ *                          picks the set this CPU runs
+ *   fq_fwd_ctx, fq_rec_ctx the work-item contexts of the forward and the
+ *                          recurrent step (shared by their entry points and
+ *                          the per-ISA kernel files)
  *
- * The definitions live in gdn_cpu_common.c (owner: cpu-fwd helper).
+ * The definitions live in gdn_cpu_common.c (thread pool, conversions, L2
+ * norm, GEMM entry points) and gdn_cpu_dispatch.c (the kernel-set choice).
  * These declarations are stable: other files build on them.
  */
 #ifndef FQ_GDN_CPU_H
@@ -34,9 +41,15 @@
  * threads than items. Items are handed out one at a time with an atomic
  * counter; thread_id is in [0, fq_cpu_resolve_threads(n_items, num_threads))
  * so per-thread scratch can be indexed by it. With one thread (or one item)
- * everything runs inline on the calling thread. If a thread cannot be created
- * the remaining threads (the caller included) do its share: the call still
- * completes every item and returns FQ_OK. */
+ * everything runs inline on the calling thread.
+ *
+ * The other threads come from a persistent pool (gdn_cpu_common.c): created
+ * at the first call that needs them, parked between calls (a short spin,
+ * then a condition variable), never joined (they end with the process), and
+ * re-created in a forked child (pthread_atfork). Calls from several threads
+ * take the pool in turn; a call made from inside a pool item runs inline. If
+ * a worker cannot be created the remaining threads (the caller included) do
+ * its share: the call still completes every item and returns FQ_OK. */
 fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
                               void (*fn)(void *ctx, int64_t item, int thread_id),
                               void *ctx);
@@ -44,6 +57,13 @@ fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
 /* The number of threads fq_cpu_parallel_for(n_items, num_threads, ...) uses
  * (>= 1): min(num_threads or the default, n_items), at least 1. */
 int fq_cpu_resolve_threads(int64_t n_items, int num_threads);
+
+/* The same for work whose items each touch about item_bytes of memory: no
+ * more threads than leave every thread FQ_CPU_MIN_BYTES_PER_THREAD (a few
+ * microseconds of work, more than waking a parked worker costs), so that a
+ * small call never gets slower with more threads. */
+#define FQ_CPU_MIN_BYTES_PER_THREAD (256 * 1024)
+int fq_cpu_resolve_threads_for_bytes(int64_t n_items, int num_threads, double item_bytes);
 
 /* -------------------------------------------------- dtype conversions ---- */
 
@@ -183,10 +203,12 @@ void fq_cpu_l2norm_f64(double *x, int64_t n);
 /* C[m x n] = (load_c ? cscale * C : 0) + A[m x k] . B[k x n], all row-major
  * with leading dimensions lda, ldb, ldc (elements). A must not alias C.
  * tri = FQ_TRI_NONE: the full product (a triangular A: fq_cpu_trmm_*).
- * tri = FQ_TRI_N:    only columns j <= i (rounded up to a 32-column tile) of
- *                    C are needed; others may be left unwritten.
- * Fast path (AVX-512 register-blocked 8 x 32 micro-kernel) when m % 8 == 0 and
- * n % 32 == 0; any m, n, k work. */
+ * tri = FQ_TRI_N:    only columns j <= i (rounded up to a column tile of at
+ *                    most 32) of C are needed; others may be left unwritten
+ *                    (they keep what was there).
+ * The micro-kernel is the active kernel set's (fq_cpu_kernels_get; register
+ * tiles of FQ_GEMM_MR x NR per instruction set, NR dividing 32); columns
+ * past the last full NR tile take a plain-C edge loop. Any m, n, k work. */
 enum { FQ_TRI_NONE = 0, FQ_TRI_N = 2 };
 void fq_cpu_gemm_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda,
                      const float *B, int64_t ldb, float *C, int64_t ldc, float cscale,
@@ -261,5 +283,57 @@ static inline float fq_cpu_expf(float x)
     y = x > 88.72f ? INFINITY : y;
     return x != x ? x : y;
 }
+
+/* ------------------------------------------ kernel sets per instruction set ---- */
+
+/* The float (F32/F16/BF16 input) kernels of one instruction set. Each
+ * gdn_cpu_kernels_<isa>.c defines one table from the same sources (the
+ * forward and recurrent bodies gdn_cpu_fwd_impl.h / gdn_cpu_recurrent_impl.h,
+ * the micro-kernels and tile loads of gdn_cpu_kernels.h) compiled for its
+ * instruction set; the x86 ones carry a target pragma, so the rest of the
+ * library stays baseline x86-64. F64 inputs run the baseline double code. */
+typedef struct {
+    const char *isa; /* "avx512", "avx2", "neon", "scalar" */
+    size_t (*fwd_scratch_elems)(int64_t Kp, int64_t Vp);
+    void (*fwd_item)(void *ctx, int64_t item, int thread_id);     /* ctx: fq_fwd_ctx */
+    size_t (*rec_scratch_elems)(int64_t K, int64_t V);
+    void (*rec_item)(void *ctx, int64_t item, int thread_id);     /* ctx: fq_rec_ctx */
+    void (*gemm)(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B,
+                 int64_t ldb, float *C, int64_t ldc, float cscale, int load_c, int tri);
+    /* the tile loads / stores (fq_cpu_load_f32 / fq_cpu_store_f32's contract,
+     * bit-identical results; F16/BF16 converted a vector at a time) */
+    void (*load_row)(float *dst, const void *base, fq_dtype dt, int64_t offset, int64_t n);
+    void (*store_row)(void *base, fq_dtype dt, int64_t offset, const float *src, int64_t n);
+} fq_cpu_kernels;
+
+/* NULL where the build has no such set (NEON off AArch64, the x86 sets off
+ * x86-64). */
+extern const fq_cpu_kernels *const fq_cpu_kernels_avx512;
+extern const fq_cpu_kernels *const fq_cpu_kernels_avx2;
+extern const fq_cpu_kernels *const fq_cpu_kernels_neon;
+extern const fq_cpu_kernels *const fq_cpu_kernels_scalar;
+
+/* The kernel set this process runs (see fq_cpu_isa in gdn.h): chosen once;
+ * FQ_OK and *out set, or the status and message of fq_cpu_isa. Every CPU
+ * entry point calls it first. */
+fq_status fq_cpu_kernels_get(const fq_cpu_kernels **out);
+
+/* ------------------------------------------------ work-item contexts ---- */
+
+#define FQ_CHUNK 64 /* tokens per chunk of the chunked forward */
+
+typedef struct {
+    const fq_gdn_params *p;
+    int64_t Kp, Vp;  /* K, V rounded up to a multiple of 32 */
+    void **scratch;  /* one block per thread */
+} fq_fwd_ctx;
+
+#define FQ_NB 32 /* recurrent step: state columns per portable block (K x 32 in L1) */
+#define FQ_TG 64 /* recurrent step: tokens loaded and run per block pass           */
+
+typedef struct {
+    const fq_gdn_params *p;
+    void **scratch; /* one block per thread */
+} fq_rec_ctx;
 
 #endif /* FQ_GDN_CPU_H */

@@ -1,42 +1,180 @@
 /*
  * gdn_cpu_common.c — the CPU backend's shared helpers (declared in gdn_cpu.h):
- * a pthreads parallel-for, dtype row conversions, the L2 norm.
+ * a parallel-for on a persistent pthreads pool, dtype row conversions, the
+ * L2 norm, the GEMM entry points (float: the active kernel set's; double:
+ * portable loops).
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "gdn_cpu.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 /* ------------------------------------------------------- parallel-for ---- */
+
+/* One job at a time runs on the pool: the caller publishes it (under
+ * park_mu: the job, its thread count, a new generation), works on it as
+ * thread 0, and waits until the other nt-1 threads have finished their share.
+ * Workers 1..n_workers wait for a new generation, first spinning for
+ * FQ_POOL_SPIN_NS (back-to-back calls, e.g. one per layer of a decode step,
+ * find them awake), then on park_cv. A worker with id >= the job's thread
+ * count goes back to waiting. Everything here is static: a worker can never
+ * touch freed memory, and workers are never joined (they end with the
+ * process). */
+#define FQ_POOL_SPIN_NS 50000
 
 typedef struct {
     void (*fn)(void *ctx, int64_t item, int thread_id);
     void *ctx;
     int64_t n_items;
     atomic_llong next; /* the next item not yet handed out */
-} fq_pfor_shared;
+} fq_pfor_job;
 
-typedef struct {
-    fq_pfor_shared *shared;
-    int thread_id;
-} fq_pfor_worker;
+static struct {
+    pthread_mutex_t lock;    /* held by a caller for the whole of its job */
+    pthread_mutex_t park_mu; /* guards job, job_nt, sleepers; with park_cv, done_cv */
+    pthread_cond_t park_cv;  /* workers wait for a new generation */
+    pthread_cond_t done_cv;  /* the caller waits for pending == 0 */
+    fq_pfor_job *job;        /* the current job (the caller's stack) */
+    int job_nt;              /* threads on it, the caller (thread 0) included */
+    int n_workers;           /* workers created so far: ids 1..n_workers */
+    atomic_uint generation;  /* bumped once per job */
+    atomic_int pending;      /* workers of the current job still running */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0};
 
-static void pfor_run(fq_pfor_shared *s, int thread_id)
+static _Thread_local int pool_thread_id; /* > 0 on a pool worker */
+static pthread_once_t pool_atfork_once = PTHREAD_ONCE_INIT;
+
+static void pfor_run(fq_pfor_job *j, int thread_id)
 {
     for (;;) {
-        long long item = atomic_fetch_add_explicit(&s->next, 1, memory_order_relaxed);
-        if (item >= s->n_items) break;
-        s->fn(s->ctx, (int64_t)item, thread_id);
+        long long item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (item >= j->n_items) break;
+        j->fn(j->ctx, (int64_t)item, thread_id);
     }
 }
 
-static void *pfor_thread_main(void *arg)
+static int64_t pool_now_ns(void)
 {
-    fq_pfor_worker *w = (fq_pfor_worker *)arg;
-    pfor_run(w->shared, w->thread_id);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void pool_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Spins up to FQ_POOL_SPIN_NS until *a != v (1) or gives up (0). */
+static int pool_spin_while_equal_uint(atomic_uint *a, unsigned v)
+{
+    int64_t t0 = pool_now_ns();
+    for (int i = 1;; i++) {
+        if (atomic_load_explicit(a, memory_order_acquire) != v) return 1;
+        pool_relax();
+        if ((i & 63) == 0 && pool_now_ns() - t0 > FQ_POOL_SPIN_NS) return 0;
+    }
+}
+
+static int pool_spin_while_nonzero(atomic_int *a)
+{
+    int64_t t0 = pool_now_ns();
+    for (int i = 1;; i++) {
+        if (atomic_load_explicit(a, memory_order_acquire) == 0) return 1;
+        pool_relax();
+        if ((i & 63) == 0 && pool_now_ns() - t0 > FQ_POOL_SPIN_NS) return 0;
+    }
+}
+
+typedef struct {
+    int id;
+    unsigned generation; /* the generation before the job that created it */
+} fq_pool_start;
+
+static void *pool_worker_main(void *arg)
+{
+    const fq_pool_start start = *(const fq_pool_start *)arg;
+    free(arg);
+    const int id = start.id;
+    unsigned seen = start.generation;
+    pool_thread_id = id;
+    int took_part = 1; /* spin only after a job this worker worked on */
+    for (;;) {
+        if (took_part) pool_spin_while_equal_uint(&pool.generation, seen);
+        pthread_mutex_lock(&pool.park_mu);
+        while (atomic_load_explicit(&pool.generation, memory_order_relaxed) == seen)
+            pthread_cond_wait(&pool.park_cv, &pool.park_mu);
+        /* generation, job and job_nt are read together under park_mu */
+        seen = atomic_load_explicit(&pool.generation, memory_order_relaxed);
+        fq_pfor_job *job = pool.job;
+        took_part = id < pool.job_nt;
+        pthread_mutex_unlock(&pool.park_mu);
+        if (!took_part) continue;
+        pfor_run(job, id);
+        /* the job is the caller's: after the decrement it may be gone */
+        if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool.park_mu);
+            pthread_cond_signal(&pool.done_cv);
+            pthread_mutex_unlock(&pool.park_mu);
+        }
+    }
     return NULL;
+}
+
+/* fork: the prepare handler waits for a running job (the pool is then idle
+ * and consistent); the child has none of the workers, so it starts over with
+ * an empty pool and fresh locks. */
+static void pool_atfork_prepare(void) { pthread_mutex_lock(&pool.lock); }
+static void pool_atfork_parent(void) { pthread_mutex_unlock(&pool.lock); }
+static void pool_atfork_child(void)
+{
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.park_mu, NULL);
+    pthread_cond_init(&pool.park_cv, NULL);
+    pthread_cond_init(&pool.done_cv, NULL);
+    pool.job = NULL;
+    pool.job_nt = 0;
+    pool.n_workers = 0;
+    atomic_store(&pool.pending, 0);
+}
+static void pool_register_atfork(void)
+{
+    pthread_atfork(pool_atfork_prepare, pool_atfork_parent, pool_atfork_child);
+}
+
+/* Creates workers until ids 1..want-1 exist (pool.lock held); returns the
+ * number of threads available, the caller included. */
+static int pool_grow(int want)
+{
+    pthread_once(&pool_atfork_once, pool_register_atfork);
+    pthread_attr_t attr;
+    if (pool.n_workers + 1 < want && pthread_attr_init(&attr) == 0) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        while (pool.n_workers + 1 < want) {
+            fq_pool_start *start = malloc(sizeof *start);
+            if (!start) break;
+            start->id = pool.n_workers + 1;
+            start->generation = atomic_load_explicit(&pool.generation, memory_order_relaxed);
+            pthread_t t;
+            if (pthread_create(&t, &attr, pool_worker_main, start) != 0) {
+                free(start);
+                break;
+            }
+            pool.n_workers++;
+        }
+        pthread_attr_destroy(&attr);
+    }
+    return pool.n_workers + 1 < want ? pool.n_workers + 1 : want;
 }
 
 int fq_cpu_resolve_threads(int64_t n_items, int num_threads)
@@ -46,37 +184,49 @@ int fq_cpu_resolve_threads(int64_t n_items, int num_threads)
     return nt < 1 ? 1 : nt;
 }
 
+int fq_cpu_resolve_threads_for_bytes(int64_t n_items, int num_threads, double item_bytes)
+{
+    int nt = fq_cpu_resolve_threads(n_items, num_threads);
+    const double per = (double)FQ_CPU_MIN_BYTES_PER_THREAD;
+    const double most = (double)n_items * item_bytes / per; /* threads the work can feed */
+    if (most < (double)nt) nt = most < 1.0 ? 1 : (int)most;
+    return nt;
+}
+
 fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
                               void (*fn)(void *ctx, int64_t item, int thread_id), void *ctx)
 {
     if (n_items <= 0) return FQ_OK;
     int nt = fq_cpu_resolve_threads(n_items, num_threads);
-    fq_pfor_shared s;
-    s.fn = fn;
-    s.ctx = ctx;
-    s.n_items = n_items;
-    atomic_init(&s.next, 0);
-    if (nt == 1) {
-        pfor_run(&s, 0);
+    fq_pfor_job job;
+    job.fn = fn;
+    job.ctx = ctx;
+    job.n_items = n_items;
+    atomic_init(&job.next, 0);
+    if (nt == 1 || pool_thread_id > 0) { /* one thread, or called from a pool item */
+        pfor_run(&job, 0);
         return FQ_OK;
     }
 
-    pthread_t *threads = malloc((size_t)nt * sizeof *threads);
-    fq_pfor_worker *workers = malloc((size_t)nt * sizeof *workers);
-    int started = 0;
-    if (threads && workers) {
-        /* thread ids 1..nt-1 on new threads; id 0 is the caller */
-        for (int i = 1; i < nt; i++) {
-            workers[i].shared = &s;
-            workers[i].thread_id = i;
-            if (pthread_create(&threads[i], NULL, pfor_thread_main, &workers[i]) != 0) break;
-            started = i;
-        }
+    pthread_mutex_lock(&pool.lock);
+    nt = pool_grow(nt);
+    if (nt > 1) {
+        pthread_mutex_lock(&pool.park_mu);
+        pool.job = &job;
+        pool.job_nt = nt;
+        atomic_store_explicit(&pool.pending, nt - 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+        pthread_cond_broadcast(&pool.park_cv);
+        pthread_mutex_unlock(&pool.park_mu);
     }
-    pfor_run(&s, 0); /* the caller works too and picks up what others could not */
-    for (int i = 1; i <= started; i++) pthread_join(threads[i], NULL);
-    free(threads);
-    free(workers);
+    pfor_run(&job, 0); /* the caller works too */
+    if (nt > 1 && !pool_spin_while_nonzero(&pool.pending)) {
+        pthread_mutex_lock(&pool.park_mu);
+        while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0)
+            pthread_cond_wait(&pool.done_cv, &pool.park_mu);
+        pthread_mutex_unlock(&pool.park_mu);
+    }
+    pthread_mutex_unlock(&pool.lock);
     return FQ_OK;
 }
 
@@ -180,93 +330,21 @@ void fq_cpu_l2norm_f64(double *x, int64_t n)
 
 /* ------------------------------------------------------ small matmuls ---- */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#define FQ_GEMM_MR 8  /* rows of C per micro-kernel call    */
-#define FQ_GEMM_NR 32 /* columns of C per micro-kernel call */
-
-/* Edge tile (and the portable path): C[mr x nr] = cscale*C + A.B over kc. */
-static void gemm_tile_f32_generic(int64_t mr, int64_t nr, int64_t kc, const float *restrict A,
-                                  int64_t lda, const float *restrict B, int64_t ldb,
-                                  float *restrict C, int64_t ldc, float cscale, int load_c)
-{
-    for (int64_t i = 0; i < mr; i++) {
-        float *restrict c = C + i * ldc;
-        if (load_c)
-            for (int64_t j = 0; j < nr; j++) c[j] *= cscale;
-        else
-            for (int64_t j = 0; j < nr; j++) c[j] = 0.0f;
-        for (int64_t p = 0; p < kc; p++) {
-            float a = A[i * lda + p];
-            const float *restrict b = B + p * ldb;
-            for (int64_t j = 0; j < nr; j++) c[j] += a * b[j];
-        }
-    }
-}
-
-#if defined(__AVX512F__)
-/* The 8 x 32 micro-kernel: 16 zmm accumulators; per k step two loads of B's
- * row and eight broadcasts of A's column feed 16 FMAs. */
-static void gemm_tile_f32_8x32(int64_t kc, const float *restrict A, int64_t lda,
-                               const float *restrict B, int64_t ldb, float *restrict C,
-                               int64_t ldc, float cscale, int load_c)
-{
-    __m512 c0[FQ_GEMM_MR], c1[FQ_GEMM_MR];
-    if (load_c) {
-        __m512 s = _mm512_set1_ps(cscale);
-#pragma GCC unroll 8
-        for (int i = 0; i < FQ_GEMM_MR; i++) {
-            c0[i] = _mm512_mul_ps(s, _mm512_loadu_ps(C + i * ldc));
-            c1[i] = _mm512_mul_ps(s, _mm512_loadu_ps(C + i * ldc + 16));
-        }
-    } else {
-#pragma GCC unroll 8
-        for (int i = 0; i < FQ_GEMM_MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
-    }
-    for (int64_t p = 0; p < kc; p++) {
-        __m512 b0 = _mm512_loadu_ps(B + p * ldb), b1 = _mm512_loadu_ps(B + p * ldb + 16);
-#pragma GCC unroll 8
-        for (int i = 0; i < FQ_GEMM_MR; i++) {
-            __m512 a = _mm512_set1_ps(A[i * lda + p]);
-            c0[i] = _mm512_fmadd_ps(a, b0, c0[i]);
-            c1[i] = _mm512_fmadd_ps(a, b1, c1[i]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < FQ_GEMM_MR; i++) {
-        _mm512_storeu_ps(C + i * ldc, c0[i]);
-        _mm512_storeu_ps(C + i * ldc + 16, c1[i]);
-    }
-}
-#endif
-
+/* The float product runs on the active kernel set's micro-kernel (every CPU
+ * entry point has chosen it before any product runs). */
 void fq_cpu_gemm_f32(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda,
                      const float *B, int64_t ldb, float *C, int64_t ldc, float cscale,
                      int load_c, int tri)
 {
-    /* column tiles outermost: B's k x 32 panel stays in L1 across row tiles */
-    for (int64_t j0 = 0; j0 < n; j0 += FQ_GEMM_NR) {
-        int64_t nr = n - j0 < FQ_GEMM_NR ? n - j0 : FQ_GEMM_NR;
-        for (int64_t i0 = 0; i0 < m; i0 += FQ_GEMM_MR) {
-            int64_t mr = m - i0 < FQ_GEMM_MR ? m - i0 : FQ_GEMM_MR;
-            int64_t last_row = i0 + mr - 1;
-            if (tri == FQ_TRI_N && j0 > last_row) continue;
-            int64_t kc = k;
-            const float *a = A + i0 * lda;
-            const float *b = B + j0;
-            float *c = C + i0 * ldc + j0;
-#if defined(__AVX512F__)
-            if (mr == FQ_GEMM_MR && nr == FQ_GEMM_NR) {
-                gemm_tile_f32_8x32(kc, a, lda, b, ldb, c, ldc, cscale, load_c);
-                continue;
-            }
-#endif
-            gemm_tile_f32_generic(mr, nr, kc, a, lda, b, ldb, c, ldc, cscale, load_c);
-        }
-    }
+    const fq_cpu_kernels *kern;
+    if (fq_cpu_kernels_get(&kern) != FQ_OK) kern = fq_cpu_kernels_scalar;
+    kern->gemm(m, n, k, A, lda, B, ldb, C, ldc, cscale, load_c, tri);
 }
+
+/* Row and column tiles of the double product (the TRI_N bound follows them),
+ * as the float kernels' largest. */
+#define FQ_GEMM_MR 8
+#define FQ_GEMM_NR 32
 
 void fq_cpu_gemm_f64(int64_t m, int64_t n, int64_t k, const double *A, int64_t lda,
                      const double *B, int64_t ldb, double *C, int64_t ldc, double cscale,

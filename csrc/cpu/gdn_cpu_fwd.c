@@ -12,42 +12,19 @@
  *     O   = scale (diag(e^gam) Q S + lower_incl_diag(Q K^T . Gamma) Vn)
  *     S'  = e^{gam_C} S + K^T diag(e^{gam_C - gam}) Vn
  *
- * The products run on the register-blocked micro-kernel of gdn_cpu_common.c.
- * Work items (sequence, value head) are spread over threads; each thread owns
- * one scratch block allocated once per call. F32/F16/BF16 inputs compute in
- * float, F64 in double (gdn_cpu_fwd_impl.h instantiated twice).
+ * The products run on a register-blocked micro-kernel. Work items (sequence,
+ * value head) are spread over threads; each thread owns one scratch block
+ * allocated once per call. F32/F16/BF16 inputs compute in float on the active
+ * kernel set (gdn_cpu_fwd_impl.h compiled once per instruction set in
+ * gdn_cpu_kernels_<isa>.c; the half-precision rows are converted as they are
+ * loaded into the chunk's tiles), F64 in double (the same body instantiated
+ * here, baseline code).
  */
 #include "gdn_cpu.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define FQ_CHUNK 64
-
-typedef struct {
-    const fq_gdn_params *p;
-    int64_t Kp, Vp;  /* K, V rounded up to a multiple of 32 */
-    void **scratch;  /* one block per thread */
-} fq_fwd_ctx;
-
-#define REAL float
-#define FQ_SFX(name) name##_f32
-#define FQ_LOAD fq_cpu_load_f32
-#define FQ_STORE fq_cpu_store_f32
-#define FQ_GEMM fq_cpu_gemm_f32
-#define FQ_TRMM_LOWER fq_cpu_trmm_lower_f32
-#define FQ_EXP fq_cpu_expf
-#define FQ_L2NORM fq_cpu_l2norm_f32
-#include "gdn_cpu_fwd_impl.h"
-#undef REAL
-#undef FQ_SFX
-#undef FQ_LOAD
-#undef FQ_STORE
-#undef FQ_GEMM
-#undef FQ_TRMM_LOWER
-#undef FQ_EXP
-#undef FQ_L2NORM
 
 #define REAL double
 #define FQ_SFX(name) name##_f64
@@ -89,6 +66,10 @@ fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p)
     st = fq_cpu_check_dims(p);
     if (st != FQ_OK) return st;
 
+    const fq_cpu_kernels *kern;
+    st = fq_cpu_kernels_get(&kern);
+    if (st != FQ_OK) return st;
+
     const int is64 = p->dtype == FQ_F64;
     const size_t esz = is64 ? sizeof(double) : sizeof(float);
     fq_fwd_ctx x;
@@ -97,7 +78,7 @@ fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p)
     x.Vp = (p->V + 31) / 32 * 32;
     const int64_t n_items = p->N * p->HV;
     const int nt = fq_cpu_resolve_threads(n_items, p->num_threads);
-    const size_t elems = is64 ? fwd_scratch_elems_f64(x.Kp, x.Vp) : fwd_scratch_elems_f32(x.Kp, x.Vp);
+    const size_t elems = is64 ? fwd_scratch_elems_f64(x.Kp, x.Vp) : kern->fwd_scratch_elems(x.Kp, x.Vp);
     const size_t bytes = (elems * esz + 63) / 64 * 64;
 
     x.scratch = calloc((size_t)nt, sizeof *x.scratch);
@@ -111,7 +92,7 @@ fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p)
         /* zero once: padding starts at 0 (fwd_item zeroes it again per item) */
         memset(x.scratch[i], 0, bytes);
     }
-    st = fq_cpu_parallel_for(n_items, nt, is64 ? fwd_item_f64 : fwd_item_f32, &x);
+    st = fq_cpu_parallel_for(n_items, nt, is64 ? fwd_item_f64 : kern->fwd_item, &x);
 done:
     for (int i = 0; i < nt; i++) free(x.scratch[i]);
     free(x.scratch);

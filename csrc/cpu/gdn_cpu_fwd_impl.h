@@ -127,7 +127,8 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
      * then the in-block part row by row. Meanwhile the next chunk's q, k, v
      * rows are prefetched (the inputs stream from memory, rows far apart). */
     for (int64_t r0 = 0; r0 < C; r0 += 8) {
-        for (int64_t r = r0; r < r0 + 8 && r < next_len; r++) {
+        const int64_t pf_end = next_len < r0 + 8 ? next_len : r0 + 8;
+        for (int64_t r = r0; r < pf_end; r++) {
             const int64_t t = tok0 + C + r;
             fq_cpu_prefetch_row(p->q, p->dtype, (t * H + h) * K, K);
             fq_cpu_prefetch_row(p->k, p->dtype, (t * H + h) * K, K);

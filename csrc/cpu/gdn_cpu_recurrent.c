@@ -6,9 +6,12 @@
  * marks padding: the sequence is skipped, its o rows are written as 0 and the
  * pool is left untouched.
  *
- * Work items (sequence, value head) are spread over threads. F32/F16/BF16
- * inputs compute in float, F64 in double (gdn_cpu_recurrent_impl.h
- * instantiated twice).
+ * Work items (sequence, value head) are spread over threads, no more than
+ * leave each thread a few state blocks' worth of work (a small decode step
+ * stays on fewer threads). F32/F16/BF16 inputs compute in float on the
+ * active kernel set (gdn_cpu_recurrent_impl.h compiled per instruction set in
+ * gdn_cpu_kernels_<isa>.c), F64 in double (the same body instantiated here
+ * with the portable block kernel).
  */
 #include "gdn_cpu.h"
 
@@ -16,37 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FQ_NB 32 /* state columns per block (K x 32 values stay in L1)  */
-#define FQ_TG 64 /* tokens loaded and run per block pass                */
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define FQ_REC_AVX512 1 /* float instantiation: AVX-512 block kernel */
-#else
-#define FQ_REC_AVX512 0
-#endif
-
-typedef struct {
-    const fq_gdn_params *p;
-    void **scratch; /* one block per thread */
-} fq_rec_ctx;
-
-#define REAL float
-#define FQ_SFX(name) name##_f32
-#define FQ_LOAD fq_cpu_load_f32
-#define FQ_STORE fq_cpu_store_f32
-#define FQ_EXP fq_cpu_expf
-#define FQ_L2NORM fq_cpu_l2norm_f32
-#include "gdn_cpu_recurrent_impl.h"
-#undef REAL
-#undef FQ_SFX
-#undef FQ_LOAD
-#undef FQ_STORE
-#undef FQ_EXP
-#undef FQ_L2NORM
-
-#undef FQ_REC_AVX512
-#define FQ_REC_AVX512 0 /* double: the portable block kernel */
 #define REAL double
 #define FQ_SFX(name) name##_f64
 #define FQ_LOAD fq_cpu_load_f64
@@ -68,13 +40,22 @@ fq_status fq_cpu_recurrent(const fq_gdn_params *p)
     st = fq_cpu_check_dims(p);
     if (st != FQ_OK) return st;
 
+    const fq_cpu_kernels *kern;
+    st = fq_cpu_kernels_get(&kern);
+    if (st != FQ_OK) return st;
+
     const int is64 = p->dtype == FQ_F64;
     fq_rec_ctx x;
     x.p = p;
     const int64_t n_items = p->N * p->HV;
-    const int nt = fq_cpu_resolve_threads(n_items, p->num_threads);
+    /* an item reads and writes its K x V state once and runs its tokens over
+     * it (about one state pass each): weigh it as 2 K V bytes per token */
+    const double tokens = p->N > 0 ? (double)(p->B * p->T) / (double)p->N : 1.0;
+    const double item_bytes = 2.0 * (double)p->K * (double)p->V *
+                              (double)fq_dtype_size(p->state_dtype) * (tokens > 1.0 ? tokens : 1.0);
+    const int nt = fq_cpu_resolve_threads_for_bytes(n_items, p->num_threads, item_bytes);
     const size_t bytes = is64 ? rec_scratch_elems_f64(p->K, p->V) * sizeof(double)
-                              : rec_scratch_elems_f32(p->K, p->V) * sizeof(float);
+                              : kern->rec_scratch_elems(p->K, p->V) * sizeof(float);
     const size_t abytes = (bytes + 63) / 64 * 64;
 
     x.scratch = calloc((size_t)nt, sizeof *x.scratch);
@@ -86,7 +67,7 @@ fq_status fq_cpu_recurrent(const fq_gdn_params *p)
             goto done;
         }
     }
-    st = fq_cpu_parallel_for(n_items, nt, is64 ? rec_item_f64 : rec_item_f32, &x);
+    st = fq_cpu_parallel_for(n_items, nt, is64 ? rec_item_f64 : kern->rec_item, &x);
 done:
     for (int i = 0; i < nt; i++) free(x.scratch[i]);
     free(x.scratch);

@@ -2,7 +2,11 @@
  * gdn_cpu_recurrent_impl.h — the CPU recurrent step for one real type.
  * Included twice by gdn_cpu_recurrent.c (REAL = float, then double) with the
  * macros REAL, FQ_SFX, FQ_LOAD, FQ_STORE, FQ_EXP, FQ_L2NORM (see
- * gdn_cpu_fwd_impl.h) and fq_rec_ctx, FQ_NB, FQ_TG defined.
+ * gdn_cpu_fwd_impl.h) and fq_rec_ctx, FQ_NB, FQ_TG defined; optionally
+ * FQ_REC_VEC_BLOCKS(S, K, V, nt, q, k, v, o, alpha, beta, kq, scale), an
+ * instruction set's block kernel (gdn_cpu_kernels.h) that runs the group on
+ * the leading columns of S and returns how many it took; the portable block
+ * kernel below does the rest.
  *
  * Per token (DESIGN §1), S in R^{K x V} row-major:
  *
@@ -73,74 +77,6 @@ static void FQ_SFX(rec_block_generic)(REAL *restrict S, int64_t K, int64_t V, in
     }
 }
 
-#if FQ_REC_AVX512
-/* AVX-512 block kernel on nz * 16 float columns: a row of the block is nz
- * zmm; S^T k and S^T q accumulate in 2 nz zmm (independent FMA chains), u in
- * nz more. Called with a constant nz (2 or 8) and inlined, so the arrays
- * below live in registers. */
-static inline __attribute__((always_inline)) void
-FQ_SFX(rec_block_avx512)(float *restrict S, int64_t K, int64_t V, int64_t c0, int64_t nt,
-                         const FQ_SFX(rec_group) *G, float scale, const int nz)
-{
-    __m512 sk[8], sq[8], u[8];
-#pragma GCC unroll 8
-    for (int z = 0; z < nz; z++) sk[z] = sq[z] = _mm512_setzero_ps();
-    /* sk = S^T k_0, sq = S^T q_0 */
-    for (int64_t i = 0; i < K; i++) {
-        const float *s = S + i * V + c0;
-        const __m512 ki = _mm512_set1_ps(G->k[i]), qi = _mm512_set1_ps(G->q[i]);
-#pragma GCC unroll 8
-        for (int z = 0; z < nz; z++) {
-            __m512 x = _mm512_loadu_ps(s + 16 * z);
-            sk[z] = _mm512_fmadd_ps(ki, x, sk[z]);
-            sq[z] = _mm512_fmadd_ps(qi, x, sq[z]);
-        }
-    }
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t = 0; t < nt; t++) {
-        const __m512 a = _mm512_set1_ps(G->alpha[t]), b = _mm512_set1_ps(G->beta[t]);
-        const __m512 kq = _mm512_set1_ps(G->kq[t]);
-        const float *v = G->v + t * V + c0;
-        float *o = G->o + t * V + c0;
-        /* u = beta (v - alpha S^T k);  o = scale (alpha S^T q + u (k . q)) */
-#pragma GCC unroll 8
-        for (int z = 0; z < nz; z++) {
-            u[z] = _mm512_mul_ps(b, _mm512_fnmadd_ps(a, sk[z], _mm512_loadu_ps(v + 16 * z)));
-            _mm512_storeu_ps(o + 16 * z,
-                             _mm512_mul_ps(vscale, _mm512_fmadd_ps(u[z], kq, _mm512_mul_ps(a, sq[z]))));
-        }
-        /* S = alpha S + k u^T, fused with S^T k', S^T q' of token t+1 */
-        const float *k = G->k + t * K;
-        if (t + 1 < nt) {
-            const float *kn = G->k + (t + 1) * K, *qn = G->q + (t + 1) * K;
-#pragma GCC unroll 8
-            for (int z = 0; z < nz; z++) sk[z] = sq[z] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < K; i++) {
-                float *s = S + i * V + c0;
-                const __m512 ki = _mm512_set1_ps(k[i]);
-                const __m512 kni = _mm512_set1_ps(kn[i]), qni = _mm512_set1_ps(qn[i]);
-#pragma GCC unroll 8
-                for (int z = 0; z < nz; z++) {
-                    __m512 x = _mm512_fmadd_ps(a, _mm512_loadu_ps(s + 16 * z), _mm512_mul_ps(ki, u[z]));
-                    _mm512_storeu_ps(s + 16 * z, x);
-                    sk[z] = _mm512_fmadd_ps(kni, x, sk[z]);
-                    sq[z] = _mm512_fmadd_ps(qni, x, sq[z]);
-                }
-            }
-        } else {
-            for (int64_t i = 0; i < K; i++) {
-                float *s = S + i * V + c0;
-                const __m512 ki = _mm512_set1_ps(k[i]);
-#pragma GCC unroll 8
-                for (int z = 0; z < nz; z++)
-                    _mm512_storeu_ps(s + 16 * z, _mm512_fmadd_ps(a, _mm512_loadu_ps(s + 16 * z),
-                                                                 _mm512_mul_ps(ki, u[z])));
-            }
-        }
-    }
-}
-#endif
-
 /* scratch per thread (REAL): a state copy [K*V] (used only when the pool's
  * dtype is not REAL) and the token group. */
 static size_t FQ_SFX(rec_scratch_elems)(int64_t K, int64_t V)
@@ -202,11 +138,9 @@ static void FQ_SFX(rec_item)(void *vctx, int64_t item, int thread_id)
             G.beta[t] = (REAL)fq_cpu_load1(p->beta, p->gate_dtype, tok * HV + j);
         }
         int64_t c0 = 0;
-#if FQ_REC_AVX512
-        /* 128-column blocks stream whole 512-byte rows (prefetch-friendly:
-         * the state is read once, sequentially), 32-column blocks the rest */
-        for (; c0 + 128 <= V; c0 += 128) FQ_SFX(rec_block_avx512)(S, K, V, c0, nt, &G, scale, 8);
-        for (; c0 + 32 <= V; c0 += 32) FQ_SFX(rec_block_avx512)(S, K, V, c0, nt, &G, scale, 2);
+#ifdef FQ_REC_VEC_BLOCKS
+        /* the instruction set's vector blocks take columns 0 .. c0-1 */
+        c0 = FQ_REC_VEC_BLOCKS(S, K, V, nt, G.q, G.k, G.v, G.o, G.alpha, G.beta, G.kq, scale);
 #endif
         for (; c0 < V; c0 += FQ_NB) {
             const int64_t nb = V - c0 < FQ_NB ? V - c0 : FQ_NB;

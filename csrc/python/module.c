@@ -335,6 +335,19 @@ static PyObject *fq_cuda_built_py(PyObject *self, PyObject *unused)
     return PyBool_FromLong(fq_cuda_built());
 }
 
+static PyObject *fq_cpu_isa_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    const char *name = NULL;
+    fq_status st = fq_cpu_isa(&name);
+    if (st != FQ_OK) {
+        fq_raise_status(st);
+        return NULL;
+    }
+    return PyUnicode_FromString(name);
+}
+
 static PyObject *fq_default_threads(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -389,6 +402,9 @@ static PyMethodDef fq_methods[] = {
     {"workspace_bytes", (PyCFunction)(void (*)(void))fq_workspace_bytes, METH_VARARGS | METH_KEYWORDS,
      fq_workspace_bytes_doc},
     {"cuda_built", fq_cuda_built_py, METH_NOARGS, "cuda_built() -> bool: was the CUDA backend compiled in"},
+    {"cpu_isa", fq_cpu_isa_py, METH_NOARGS,
+     "cpu_isa() -> str: the CPU kernel set in use (avx512, avx2, neon, scalar; FLASHQLA_CPU_ISA\n"
+     "forces one); raises flashqla.Error / ValueError when the forced one cannot run here"},
     {"default_threads", fq_default_threads, METH_NOARGS,
      "default_threads() -> int: CPU threads used when num_threads=0 (FLASHQLA_NUM_THREADS or all cores)"},
     {"xla_ffi_targets", fq_xla_ffi_targets, METH_NOARGS, fq_xla_ffi_targets_doc},

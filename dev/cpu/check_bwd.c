@@ -286,6 +286,11 @@ int main(int argc, char **argv)
     static const int64_t lens[] = {1, 63, 64, 0, 65, 300};
     static const int64_t lens_small[] = {1, 0, 70};
     int small = argc > 1 && !strcmp(argv[1], "--small");
+    {
+        const char *isa = NULL;
+        if (fq_cpu_isa(&isa) == FQ_OK) printf("CPU kernel set: %s\n", isa);
+        else printf("CPU kernel set: none (%s)\n", fq_last_error());
+    }
     if (argc > 1 && !strcmp(argv[1], "--bench")) {
         bench(FQ_F32, 1);
         bench(FQ_BF16, 1);

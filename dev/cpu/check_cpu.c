@@ -385,6 +385,11 @@ static void check_errors(void)
 int main(int argc, char **argv)
 {
     int small = argc > 1 && strcmp(argv[1], "small") == 0;
+    {
+        const char *isa = NULL;
+        if (fq_cpu_isa(&isa) == FQ_OK) printf("CPU kernel set: %s\n", isa);
+        else printf("CPU kernel set: none (%s)\n", fq_last_error());
+    }
     /* name, dtype, gate, B, T, H, HV, K, V, nseq, lens, h0, ht, l2norm, A_max, cu64 */
     fq_case cases[] = {
         {"f32 B2 T200 H2 HV2 K=V=64 h0 A16", FQ_F32, FQ_F32, 2, 200, 2, 2, 64, 64, 0, {0}, 1, 1, 0, 16, 0},
