@@ -1,55 +1,88 @@
 #!/usr/bin/env python3
-"""Side-by-side GPU benchmark: flashqla vs FLA (flash-linear-attention), one run, one GPU.
+"""Side-by-side GPU benchmark: flashqla, QwenLM's FlashQLA 0.1.3 and FLA 0.6.0, one run, one GPU.
 
-Every row of the tables in ANCHORS.md (forward: 12 rows, backward: 5 rows, decode: 6 rows),
-inputs exactly as ANCHORS.md states them:
+Three libraries, each through its public PyTorch call:
 
-    bf16 q, k, v (q and k L2-normalised per head vector), K = V = 128,
-    fp32 g = logsigmoid(randn) / 16 with the first quarter of the value heads g = 0,
-    fp32 beta = sigmoid(randn), fp32 h0 given, final state requested.
+    flashqla   (this project)  gdn_chunk / gdn_chunk_fwd + gdn_chunk_bwd / gdn_recurrent
+    FlashQLA   (flash_qla)     flash_qla.chunk_gated_delta_rule, its backward
+                               flash_qla.chunk_gated_delta_rule_bwd (TileLang, JIT-compiled)
+    FLA        (fla)           fla.ops.gated_delta_rule.chunk_gated_delta_rule (Triton), timed in a
+                               separate process started with FLA_DISABLE_BACKEND_DISPATCH=1: FLA 0.6.0
+                               otherwise hands chunk_gated_delta_rule to FlashQLA when it is importable
 
-Timing: one call (or R calls on R input sets, see "rotation") is captured in a CUDA graph;
-the graph is replayed, each replay between two CUDA events, after warm-up; the median per
-call over --reps replays is reported (host launch overhead excluded, as in the published
-tables). If capture fails, eager calls are timed with events instead and the row says so.
+flashqla and FlashQLA run in this process, side by side on the same inputs; FLA's process times the
+same rows on the same inputs (same seeds) afterwards, with the time left.
 
-Rotation: a row whose data (inputs + outputs + states) is smaller than 4x the L2 cache is
-captured as R calls on R independent input sets (R = ceil(4 * L2 / bytes), at most 8), so
-that a replay does not find its inputs in L2. Both libraries get the same treatment.
+Passes and rows (ANCHORS.md):
+    fwd     the 12 forward rows; an inference forward: torch.no_grad(), no input requires grad
+    bwd     the backward alone, given each library's saved forward context (5 rows):
+            flashqla gdn_chunk_bwd(ctx, do, dht) with ctx from gdn_chunk_fwd; FlashQLA
+            chunk_gated_delta_rule_bwd(...) with the saved tensors, cp_context and cp_cache of its
+            autograd forward (what its autograd backward calls); FLA chunk_gated_delta_rule_bwd given
+            chunk_gated_delta_rule_fwd's (chunk-local cumulative gate, A)
+    train   forward + backward through each library's autograd, as a training step runs it (5 rows):
+            o, ht = lib(q, k, v, g, beta, initial_state=h0, ...) with every input requiring grad, then
+            torch.autograd.grad([o, ht], inputs, [do, dht]) (= loss.backward() for
+            loss = <o, do> + <ht, dht>, without the loss's own elementwise kernels and without
+            accumulating into .grad)
+    decode  the recurrent step, 6 rows (flashqla and FLA; FlashQLA has none)
 
-flashqla is called through its extension module flashqla._C (TEAM.md API), outputs and
-workspace preallocated: chunk_fwd / chunk_bwd / recurrent. The backward recomputes everything
-from the inputs (no saved intermediates cross flashqla's API), so "backward alone given the
-forward's context" is one chunk_bwd call. FLA: forward = its public chunk_gated_delta_rule;
-backward alone = fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd given the
-forward's saved intermediates (chunk-local cumulative gate and A, from
-chunk_gated_delta_rule_fwd), exactly what its autograd backward calls; decode = its
-fused_recurrent_gated_delta_rule with fp32 initial state in and final state out.
+Inputs for every chunk row: bf16 q, k, v (q and k L2-normalised per head vector), K = V = 128,
+fp32 g = logsigmoid(randn) / 16 with the first quarter of the value heads g = 0, fp32 beta =
+sigmoid(randn), fp32 h0 given, final state requested; "8x4096" is B = 8 rows without cu_seqlens,
+"16384+16384" is B = 1 with cu_seqlens [0, 16384, 32768] (int32 for all three libraries' calls;
+FLA gets int64 as its API states). Backward and training: bf16 dO and fp32 dht random.
 
-FLA 0.6.0 refuses its gated backward on Hopper with Triton >= 3.4, < 3.7.1 (guard
-fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1, FLA issue #640). The script flips that flag,
-checks FLA's gradients (and flashqla's) once against the float64 token-by-token reference
-(flashqla/reference.py) on a small case, prints the relative errors, records them, and marks FLA's backward rows if the
-check failed.
+Timing: one call (or R calls on R input sets, see "rotation") is captured in a CUDA graph; the
+graph is replayed, each replay between two CUDA events, after warm-up; the median per call over
+--reps replays is reported (host launch overhead excluded, as in the published tables). If capture
+fails, eager calls are timed with events instead and the row says so (key *_timing).
+Rotation: a row whose data is under 4x the L2 cache runs R = ceil(4 L2 / bytes) <= 8 input sets
+per graph, so that a replay does not find its inputs in L2; every library gets the same treatment.
+
+Memory (fwd and train rows, key peak_extra_mib): peak device memory allocated during one warm
+eager call (torch.cuda.reset_peak_memory_stats / max_memory_allocated) minus what was allocated
+before it (the inputs) minus the bytes of the call's outputs (o, ht; and the six gradients for
+train): the library's scratch and saved context.
+
+JIT: FlashQLA compiles each kernel on first use (TileLang, ~5-25 s a kernel, cached on disk in
+TILELANG_CACHE_DIR). Per row the harness reports the wall time of FlashQLA's first calls
+(flash_qla_jit_s, compile included) and the number of kernels it compiled (flash_qla_new_kernels,
+new entries in the disk cache), apart from the timing. A carried cache built ahead of time
+(benchmarks/prebuild_flashqla_cache.py) makes both zero.
+
+Correctness: each library is checked once against the float64 token-by-token reference
+(flashqla/reference.py, B = 1, T = 256, H = 2, HV = 4, anchor gates and strong decay) on the
+outputs and all gradients (key reference_check); per row flashqla's outputs are compared with
+FlashQLA's (key check: relative differences, a sanity check, not the accuracy test).
+
+FLA 0.6.0 refuses its gated backward on Hopper with Triton >= 3.4, < 3.7.1 (FLA issue #640); FLA's
+process flips fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1, and its reference check records whether
+its gradients then meet the project's tolerances (fla_grad_check_ok on bwd/train rows).
 
 Usage:
-    python3 benchmarks/bench_gpu.py [--rows fwd|bwd|decode|all] [--quick] [--out DIR]
-                                    [--dry-run] [--time-budget S] [--fla-warmup-only]
-Writes DIR/h200_<date>.json (+ .png) and copies both to $OUT when OUT is set.
+    python3 benchmarks/bench_gpu.py [--rows fwd|bwd|train|decode|all|fwd,train...] [--quick]
+        [--time-budget S] [--no-fla] [--no-flash-qla] [--out DIR] [--table-file F] [--dry-run]
+Writes DIR/h200_<date>.json (+ .png), rewritten after every row (a run stopped by the time budget
+or killed keeps what it measured), copies both to $OUT when OUT is set, and prints the table LAST.
+--dry-run: fake numbers through the same JSON / table / plot / FLA-process code (no GPU needed).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import inspect
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -62,7 +95,7 @@ except Exception:  # pragma: no cover - dry-run on a machine without torch
     F = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEVICE = "cuda"            # a CPU plumbing test may set this to "cpu"
+DEVICE = "cuda"
 
 K_DIM = V_DIM = 128
 MATMUL_PEAK = 712e12      # bf16 dense, measured on our H200 (ANCHORS.md)
@@ -74,6 +107,9 @@ FWD_FLOP = 183e3          # per token and value head, K = V = 128, C = 64 (DESIG
 # ~31.5 MFLOP per chunk = ~490 kFLOP per token and value head = 2.7x; 2.5x is used.
 BWD_FLOP = 2.5 * FWD_FLOP
 DECODE_FLOP = 7 * K_DIM * V_DIM  # per token and value head: S^T k, the rank-1 update, S^T q
+FLOOR_RATIO = 1.15        # issues 7 and 8: flash_qla_ms / flashqla_ms >= 1.15 on every row
+FLA_ENV = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "FLA_FLASH_QLA": "0", "FLA_TILELANG": "0"}
+LIBS = ("flashqla", "flash_qla", "fla")
 
 
 def _load_reference():
@@ -90,29 +126,33 @@ def _load_reference():
 REFERENCE = _load_reference()
 # Tolerances of the one-off check against float64 (bf16 inputs): the project's table.
 TOL = {n: REFERENCE.tolerance("bfloat16", n) for n in ("o", "ht", "dq", "dk", "dv", "dbeta", "dh0", "dg")}
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def _anchor(fla_ours, fla_pub, flashinfer_pub, flashqla_pub):
+def _anchor(fla_ours, fla_pub, flashinfer_pub, flashqla_pub, sbs_flashqla=None, sbs_flash_qla=None):
+    """ANCHORS.md numbers (ms): FLA re-measured / published, FlashInfer and FlashQLA published;
+    sbs_*: the side-by-side measurement of 2026-12-01 (flashqla at e11596d, FlashQLA 0.1.3)."""
     return {"fla_ours": fla_ours, "fla_pub": fla_pub, "flashinfer_pub": flashinfer_pub,
-            "flashqla_pub": flashqla_pub}
+            "flashqla_pub": flashqla_pub, "sbs_flashqla": sbs_flashqla, "sbs_flash_qla": sbs_flash_qla}
 
 
 # layout: "single" one sequence (B = 1, no cu_seqlens); "batch" B equal rows (no cu_seqlens);
 # "varlen" B = 1 with cu_seqlens.
 FWD_ROWS = [
-    dict(H=16, HV=32, seqlens=[32768], layout="single", anchor=_anchor(1.913, 1.890, 1.550, 0.877)),
-    dict(H=16, HV=32, seqlens=[8192], layout="single", anchor=_anchor(None, 0.472, 0.394, 0.280)),
-    dict(H=16, HV=32, seqlens=[2048], layout="single", anchor=_anchor(0.133, 0.132, 0.106, 0.109)),
-    dict(H=16, HV=32, seqlens=[1024] * 8, layout="batch", anchor=_anchor(0.507, 0.501, 0.119, 0.178)),
-    dict(H=16, HV=32, seqlens=[4096] * 8, layout="batch", anchor=_anchor(None, 1.914, 0.431, 0.619)),
-    dict(H=16, HV=32, seqlens=[16384, 16384], layout="varlen", anchor=_anchor(None, 1.891, 0.778, 0.774)),
-    dict(H=16, HV=64, seqlens=[32768], layout="single", anchor=_anchor(None, 3.331, 1.552, 1.521)),
-    dict(H=16, HV=64, seqlens=[16384, 16384], layout="varlen", anchor=_anchor(3.436, 3.350, 0.825, 1.196)),
-    dict(H=2, HV=8, seqlens=[32768], layout="single", anchor=_anchor(0.904, 0.902, 1.655, 0.320)),
-    dict(H=2, HV=8, seqlens=[4096], layout="single", anchor=_anchor(0.132, 0.132, 0.210, 0.087)),
-    dict(H=8, HV=32, seqlens=[32768], layout="single", anchor=_anchor(None, 1.885, 1.555, 0.885)),
-    dict(H=16, HV=48, seqlens=[32768], layout="single", anchor=_anchor(None, 2.711, 1.557, 1.260)),
+    dict(H=16, HV=32, seqlens=[32768], layout="single", anchor=_anchor(1.913, 1.890, 1.550, 0.877, 1.852, 1.243)),
+    dict(H=16, HV=32, seqlens=[8192], layout="single", anchor=_anchor(None, 0.472, 0.394, 0.280, 0.470, 0.303)),
+    dict(H=16, HV=32, seqlens=[2048], layout="single", anchor=_anchor(0.133, 0.132, 0.106, 0.109, 0.133, 0.088)),
+    dict(H=16, HV=32, seqlens=[1024] * 8, layout="batch", anchor=_anchor(0.507, 0.501, 0.119, 0.178, 0.438, 0.185)),
+    dict(H=16, HV=32, seqlens=[4096] * 8, layout="batch", anchor=_anchor(None, 1.914, 0.431, 0.619, 1.693, 0.643)),
+    dict(H=16, HV=32, seqlens=[16384, 16384], layout="varlen", anchor=_anchor(None, 1.891, 0.778, 0.774, 1.671, 0.776)),
+    dict(H=16, HV=64, seqlens=[32768], layout="single", anchor=_anchor(None, 3.331, 1.552, 1.521, 3.287, 1.523)),
+    dict(H=16, HV=64, seqlens=[16384, 16384], layout="varlen", anchor=_anchor(3.436, 3.350, 0.825, 1.196, 3.327, 1.252)),
+    dict(H=2, HV=8, seqlens=[32768], layout="single", anchor=_anchor(0.904, 0.902, 1.655, 0.320, 0.850, 0.394)),
+    dict(H=2, HV=8, seqlens=[4096], layout="single", anchor=_anchor(0.132, 0.132, 0.210, 0.087, 0.120, 0.133)),
+    dict(H=8, HV=32, seqlens=[32768], layout="single", anchor=_anchor(None, 1.885, 1.555, 0.885, 1.806, 1.235)),
+    dict(H=16, HV=48, seqlens=[32768], layout="single", anchor=_anchor(None, 2.711, 1.557, 1.260, 2.631, 1.409)),
 ]
+# The backward table of ANCHORS.md; the "bwd" and the "train" pass both run these shapes.
 BWD_ROWS = [
     dict(H=16, HV=32, seqlens=[8192], layout="single", anchor=_anchor(1.483, 1.444, None, 0.789)),
     dict(H=16, HV=32, seqlens=[32768], layout="single", anchor=_anchor(5.853, 5.697, None, 2.515)),
@@ -120,6 +160,10 @@ BWD_ROWS = [
     dict(H=4, HV=8, seqlens=[32768], layout="single", anchor=_anchor(2.735, 2.743, None, 0.887)),
     dict(H=2, HV=4, seqlens=[32768], layout="single", anchor=_anchor(2.295, 2.311, None, 0.548)),
 ]
+TRAIN_ANCHORS = {  # ANCHORS.md side by side, training step (fwd + bwd through autograd)
+    (16, 32, (8192,)): _anchor(None, None, None, None, 1.894, 0.996),
+    (16, 32, (32768,)): _anchor(None, None, None, None, 7.270, 3.564),
+}
 # Decode: N sequences, T tokens each (B = N rows), fp32 state pool [N, HV, K, V].
 DECODE_ROWS = [
     dict(H=16, HV=32, N=1, T=1, anchor={"fla_ours": 0.0032, "floor": 0.0010}),
@@ -129,16 +173,42 @@ DECODE_ROWS = [
     dict(H=16, HV=32, N=64, T=4, anchor={"fla_ours": 0.1262, "floor": 0.0629}),
     dict(H=2, HV=8, N=256, T=1, anchor={"fla_ours": 0.0935, "floor": 0.0629}),
 ]
+PASSES = ("fwd", "bwd", "train", "decode")
+# The float64 reference check's shape (also JIT-compiled by FlashQLA: prebuilt with the rows).
+CHECK_SHAPE = dict(H=2, HV=4, seqlens=[256], layout="single")
+
+
+def row_anchor(pass_, spec):
+    if pass_ == "train":
+        return TRAIN_ANCHORS.get((spec["H"], spec["HV"], tuple(spec["seqlens"])), _anchor(None, None, None, None))
+    return spec["anchor"]
+
+
+def plan_rows(rows_arg, max_rows=0):
+    """[(pass, spec)] in run order: the forward rows, then per backward shape its "bwd" and its
+    "train" row (they need the same FlashQLA kernels), then decode. rows_arg: "all" or a
+    comma-separated subset of fwd, bwd, train, decode."""
+    want = set(PASSES) if rows_arg == "all" else {p.strip() for p in rows_arg.split(",") if p.strip()}
+    bad = want - set(PASSES)
+    if bad:
+        raise ValueError("--rows: unknown pass %s (choose from %s or all)" % (sorted(bad), ", ".join(PASSES)))
+    cut = (lambda xs: xs[:max_rows]) if max_rows else (lambda xs: xs)
+    plan = [("fwd", s) for s in cut(FWD_ROWS)] if "fwd" in want else []
+    for s in cut(BWD_ROWS):
+        plan += [(p, s) for p in ("bwd", "train") if p in want]
+    if "decode" in want:
+        plan += [("decode", s) for s in cut(DECODE_ROWS)]
+    return plan
 
 
 # ----------------------------------------------------------------------------- models --
-def row_geometry(row):
+def row_geometry(spec):
     """B, T, N, total tokens and whether cu_seqlens is used, for a chunk row."""
-    seqlens = row["seqlens"]
-    if row["layout"] == "batch":
+    seqlens = spec["seqlens"]
+    if spec["layout"] == "batch":
         return dict(B=len(seqlens), T=seqlens[0], N=len(seqlens), tokens=sum(seqlens), varlen=False)
     return dict(B=1, T=sum(seqlens), N=len(seqlens), tokens=sum(seqlens),
-                varlen=row["layout"] == "varlen")
+                varlen=spec["layout"] == "varlen")
 
 
 def chunk_cost(pass_, H, HV, tokens, N):
@@ -151,7 +221,10 @@ def chunk_cost(pass_, H, HV, tokens, N):
     if pass_ == "fwd":
         return FWD_FLOP * tokens * HV, qk + 2 * vo + gates + 2 * state           # q k v g b h0 | o ht
     # bwd: read q k v do g beta h0 dht; write dq dk dv dg dbeta dh0
-    return BWD_FLOP * tokens * HV, 2 * qk + 4 * vo + 2 * gates + 3 * state
+    flops, nbytes = BWD_FLOP * tokens * HV, 2 * qk + 4 * vo + 2 * gates + 3 * state
+    if pass_ == "train":                 # and the forward's o, ht written
+        return flops + FWD_FLOP * tokens * HV, nbytes + vo + state
+    return flops, nbytes
 
 
 def decode_cost(H, HV, N, T):
@@ -167,13 +240,51 @@ def floor_ms(flops, nbytes):
 
 def row_label(r):
     if r["pass"] == "decode":
-        return "dec %d/%d N=%d T=%d" % (r["H"], r["HV"], r["N"], r["T"])
+        return "decode %d/%d N=%d T=%d" % (r["H"], r["HV"], r["N"], r["T"])
     s = r["seqlens"]
-    if r.get("layout") == "varlen":
-        seq = "+".join(str(x) for x in s)
-    else:
-        seq = "%dx%d" % (len(s), s[0])
+    seq = "+".join(str(x) for x in s) if r.get("layout") == "varlen" else "%dx%d" % (len(s), s[0])
     return "%s %d/%d %s" % (r["pass"], r["H"], r["HV"], seq)
+
+
+def spec_label(pass_, spec):
+    return row_label(dict(spec, **{"pass": pass_}))
+
+
+def new_row(pass_, spec):
+    """A row with its shape, cost model and empty timings."""
+    r = {"pass": pass_, "H": spec["H"], "HV": spec["HV"], "flashqla_ms": None, "flash_qla_ms": None,
+         "fla_ms": None, "errors": {}}
+    if pass_ == "decode":
+        flops, nbytes = decode_cost(spec["H"], spec["HV"], spec["N"], spec["T"])
+        r.update(seqlens=[spec["T"]] * spec["N"], N=spec["N"], T=spec["T"],
+                 flop_model="decode 7*K*V per token/value head", anchor_ms=spec["anchor"])
+        r["errors"]["flash_qla"] = "FlashQLA has no decode step"
+    else:
+        geo = row_geometry(spec)
+        flops, nbytes = chunk_cost(pass_, spec["H"], spec["HV"], geo["tokens"], geo["N"])
+        r.update(seqlens=list(spec["seqlens"]), layout=spec["layout"], B=geo["B"], N=geo["N"],
+                 tokens=geo["tokens"], anchor_ms=row_anchor(pass_, spec),
+                 flop_model={"fwd": "fwd 183 kFLOP/token/value head",
+                             "bwd": "bwd ESTIMATE 2.5 x 183 kFLOP/token/value head",
+                             "train": "fwd + bwd ESTIMATE 3.5 x 183 kFLOP/token/value head"}[pass_])
+        if pass_ in ("fwd", "train"):
+            r["peak_extra_mib"] = {lib: None for lib in LIBS}
+    r.update(flop=flops, bytes=nbytes, floor_ms=floor_ms(flops, nbytes))
+    return r
+
+
+def derive_metrics(r):
+    fq, fqla, fl = r.get("flashqla_ms"), r.get("flash_qla_ms"), r.get("fla_ms")
+    flop = r.get("flop")
+    r["tflops"] = flop / (fq * 1e-3) / 1e12 if (fq and flop) else None
+    r["pct_floor"] = 100.0 * r["floor_ms"] / fq if (fq and r.get("floor_ms")) else None
+    r["flash_qla_over_flashqla"] = fqla / fq if (fq and fqla) else None
+    r["fla_over_flashqla"] = fl / fq if (fq and fl) else None
+    pub = (r.get("anchor_ms") or {}).get("flashqla_pub")
+    r["flashqla_pub_over_ours"] = pub / fq if (pub and fq) else None
+    a = r.get("anchor_ms") or {}
+    ours = a.get("fla_ours") or a.get("fla_pub")
+    r["fla_vs_anchor"] = fl / ours if (fl and ours) else None
 
 
 # -------------------------------------------------------------------------- utilities --
@@ -182,15 +293,8 @@ def log(*a):
 
 
 def short_err(e, n=300):
-    s = "%s: %s" % (type(e).__name__, e)
-    s = " ".join(s.split())
+    s = " ".join(("%s: %s" % (type(e).__name__, e)).split())
     return s if len(s) <= n else s[:n] + "..."
-
-
-def finite_or_none(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def clean_json(obj):
@@ -199,7 +303,9 @@ def clean_json(obj):
         return {k: clean_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [clean_json(v) for v in obj]
-    return finite_or_none(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
 
 
 def write_json_atomic(path, obj):
@@ -219,8 +325,33 @@ def nvidia_driver():
         return None
 
 
+def source_commit():
+    """FQ_COMMIT (set by whoever starts the device run: the device copy has no .git), else git."""
+    c = os.environ.get("FQ_COMMIT")
+    if c:
+        return c
+    try:
+        out = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:
+        pass
+    return None
+
+
+def module_version(name):
+    try:
+        import importlib.metadata as md
+        return md.version(name)
+    except Exception:
+        return None
+
+
 def filter_kwargs(fn, kw):
-    """Keep only the keyword arguments fn accepts (FLA's internals change between versions)."""
+    """Keep only the keyword arguments fn accepts."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -241,6 +372,38 @@ def rel_err(out, ref):
     den = torch.linalg.vector_norm(b).item()
     num = torch.linalg.vector_norm(a - b).item()
     return num / den if den > 0 else num
+
+
+def tensor_bytes(xs):
+    """Logical bytes of the tensors in xs (nested tuples/lists/dicts; None ignored)."""
+    if xs is None:
+        return 0
+    if isinstance(xs, dict):
+        return sum(tensor_bytes(v) for v in xs.values())
+    if isinstance(xs, (list, tuple)):
+        return sum(tensor_bytes(v) for v in xs)
+    if torch is not None and isinstance(xs, torch.Tensor):
+        return xs.numel() * xs.element_size()
+    return 0
+
+
+class Budget:
+    """--time-budget: rows that would start after `seconds` (counted from `start`) are skipped;
+    0 means no limit. clock is injectable for tests."""
+
+    def __init__(self, seconds, start=None, clock=time.time):
+        self.seconds = float(seconds or 0)
+        self.clock = clock
+        self.start = clock() if start is None else start
+
+    def elapsed(self):
+        return self.clock() - self.start
+
+    def left(self):
+        return float("inf") if not self.seconds else self.seconds - self.elapsed()
+
+    def out(self):
+        return bool(self.seconds) and self.left() <= 0
 
 
 # ------------------------------------------------------------------------------ inputs --
@@ -264,18 +427,27 @@ def strong_gates(B, T, HV, gen, device):
     return g.contiguous(), beta.contiguous()
 
 
-def make_chunk_inputs(H, HV, geo, seqlens, gen, device=None, bwd=False, gates="anchor"):
+def make_chunk_inputs(H, HV, geo, seqlens, gen, device=None, grads=False, gates="anchor", empty=False):
+    """One input set. empty=True: uninitialised tensors of the same shapes (for tracing calls
+    whose values do not matter, e.g. prebuild_flashqla_cache.py); cu_seqlens are always real."""
     device = device or DEVICE
     B, T, N = geo["B"], geo["T"], geo["N"]
-    t = types.SimpleNamespace()
-    t.B, t.T, t.H, t.HV, t.N = B, T, H, HV, N
-    t.q = l2norm_bf16(torch.randn(B, T, H, K_DIM, generator=gen, device=device))
-    t.k = l2norm_bf16(torch.randn(B, T, H, K_DIM, generator=gen, device=device))
-    t.v = torch.randn(B, T, HV, V_DIM, generator=gen, device=device).to(torch.bfloat16)
-    make_g = anchor_gates if gates == "anchor" else strong_gates
-    t.g, t.beta = make_g(B, T, HV, gen, device)
-    t.h0 = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
-    t.scale = K_DIM ** -0.5
+    t = types.SimpleNamespace(B=B, T=T, H=H, HV=HV, N=N, scale=K_DIM ** -0.5)
+    bf = torch.bfloat16
+    if empty:
+        t.q = torch.empty(B, T, H, K_DIM, dtype=bf, device=device)
+        t.k = torch.empty(B, T, H, K_DIM, dtype=bf, device=device)
+        t.v = torch.empty(B, T, HV, V_DIM, dtype=bf, device=device)
+        t.g, t.beta = torch.empty(B, T, HV, device=device), torch.empty(B, T, HV, device=device)
+        t.h0 = torch.empty(N, HV, K_DIM, V_DIM, device=device)
+    else:
+        t.q = l2norm_bf16(torch.randn(B, T, H, K_DIM, generator=gen, device=device))
+        t.k = l2norm_bf16(torch.randn(B, T, H, K_DIM, generator=gen, device=device))
+        t.v = torch.randn(B, T, HV, V_DIM, generator=gen, device=device).to(bf)
+        make_g = anchor_gates if gates == "anchor" else strong_gates
+        t.g, t.beta = make_g(B, T, HV, gen, device)
+        t.h0 = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
+    t.cu_list = t.cu32 = t.cu64 = None
     if geo["varlen"]:
         cu = [0]
         for s in seqlens:
@@ -283,19 +455,33 @@ def make_chunk_inputs(H, HV, geo, seqlens, gen, device=None, bwd=False, gates="a
         t.cu_list = cu
         t.cu32 = torch.tensor(cu, dtype=torch.int32, device=device)
         t.cu64 = torch.tensor(cu, dtype=torch.int64, device=device)
-    else:
-        t.cu_list = t.cu32 = t.cu64 = None
     t.ci = None  # FLA chunk_indices, filled by the FLA adapter
-    if bwd:
-        t.do = torch.randn(B, T, HV, V_DIM, generator=gen, device=device).to(torch.bfloat16)
-        t.dht = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
+    if grads:
+        if empty:
+            t.do = torch.empty(B, T, HV, V_DIM, dtype=bf, device=device)
+            t.dht = torch.empty(N, HV, K_DIM, V_DIM, device=device)
+        else:
+            t.do = torch.randn(B, T, HV, V_DIM, generator=gen, device=device).to(bf)
+            t.dht = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
     return t
+
+
+def share_cu(sets):
+    """One cu_seqlens tensor for all rotated sets (their values are equal): FlashQLA keys its
+    host-side caches (CP split, chunk offsets) on the tensor object and asserts on a miss during
+    CUDA-graph capture, and its cache holds 4 entries."""
+    for t in sets[1:]:
+        t.cu_list, t.cu32, t.cu64 = sets[0].cu_list, sets[0].cu32, sets[0].cu64
+
+
+def leaves_of(t):
+    """Fresh leaves requiring grad that share t's storage: q, k, v, g, beta, h0."""
+    return [x.detach().requires_grad_(True) for x in (t.q, t.k, t.v, t.g, t.beta, t.h0)]
 
 
 def make_decode_inputs(H, HV, N, T, gen, device=None):
     device = device or DEVICE
-    t = types.SimpleNamespace()
-    t.B, t.T, t.H, t.HV, t.N = N, T, H, HV, N
+    t = types.SimpleNamespace(B=N, T=T, H=H, HV=HV, N=N, scale=K_DIM ** -0.5)
     t.q = l2norm_bf16(torch.randn(N, T, H, K_DIM, generator=gen, device=device))
     t.k = l2norm_bf16(torch.randn(N, T, H, K_DIM, generator=gen, device=device))
     t.v = torch.randn(N, T, HV, V_DIM, generator=gen, device=device).to(torch.bfloat16)
@@ -303,8 +489,24 @@ def make_decode_inputs(H, HV, N, T, gen, device=None):
     t.state0 = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
     t.state = t.state0.clone()           # flashqla's pool, updated in place
     t.indices = torch.arange(N, dtype=torch.int32, device=device)
-    t.scale = K_DIM ** -0.5
     return t
+
+
+def chunk_sets(pass_, spec, R, device=None, empty=False):
+    """R input sets of a chunk row; the same seeds in every process, so FLA's process sees the
+    same inputs."""
+    geo = row_geometry(spec)
+    gen = None if empty else torch.Generator(device=device or DEVICE).manual_seed(
+        1000 + spec["H"] * 7 + spec["HV"] + geo["tokens"] + 100000 * PASSES.index(pass_))
+    sets = [make_chunk_inputs(spec["H"], spec["HV"], geo, spec["seqlens"], gen, device=device,
+                              grads=(pass_ != "fwd"), empty=empty) for _ in range(R)]
+    share_cu(sets)
+    return sets
+
+
+def decode_sets(spec, R):
+    gen = torch.Generator(device=DEVICE).manual_seed(2000 + spec["N"] * 3 + spec["T"] + spec["HV"])
+    return [make_decode_inputs(spec["H"], spec["HV"], spec["N"], spec["T"], gen) for _ in range(R)]
 
 
 def cur_stream():
@@ -313,116 +515,197 @@ def cur_stream():
 
 # --------------------------------------------------------------------------- flashqla --
 class Flashqla:
-    """flashqla, timed through its public API (api="public", the default):
-    gdn_chunk_fwd(...) -> (o, ht, ctx), gdn_chunk_bwd(ctx, do, dht) -> grads, gdn_recurrent;
-    or through the extension module with preallocated outputs and workspace (api="c")."""
+    """flashqla through its public API (api="public", the default): inference forward
+    gdn_chunk under no_grad, backward alone gdn_chunk_bwd(ctx, do, dht) with ctx from
+    gdn_chunk_fwd, training step gdn_chunk with inputs requiring grad + torch.autograd.grad,
+    decode gdn_recurrent; api="c": forward, backward and decode through flashqla._C with
+    preallocated outputs and workspace (the training step is autograd, public either way)."""
+
+    name = "flashqla"
 
     def __init__(self, api="public"):
         import flashqla
         self.pkg = flashqla
-        C = getattr(flashqla, "_C", None)
-        if C is None:
-            import importlib
-            C = importlib.import_module("flashqla._C")
-        self.C = C
+        import importlib
+        self.C = getattr(flashqla, "_C", None) or importlib.import_module("flashqla._C")
         self.api = api
-        if api == "public" and not all(hasattr(flashqla, n) for n in
-                                       ("gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent")):
-            log("flashqla has no gdn_chunk_fwd/gdn_chunk_bwd/gdn_recurrent: timing flashqla._C instead")
-            self.api = "c"
         self.version = getattr(flashqla, "__version__", None)
-        self.cuda_built = bool(C.cuda_built())
+        self.cuda_built = bool(self.C.cuda_built())
 
     def workspace(self, op, B, T, H, HV, N):
         n = int(self.C.workspace_bytes(op, B, T, H, HV, K_DIM, V_DIM, N, "bfloat16"))
         return torch.empty(n, dtype=torch.uint8, device=DEVICE) if n > 0 else None
 
-    # ---- forward: outputs(t) once, then fwd(t, out) per timed call; result(out) = (o, ht)
-    def fwd_outputs(self, t):
+    # ---- inference forward: prepare(t) once per set, fwd(t, st) per timed call -> (o, ht)
+    def fwd_prepare(self, t):
         if self.api == "public":
-            return types.SimpleNamespace(res=None)
-        o = torch.full_like(t.v, float("nan"))
-        ht = torch.full_like(t.h0, float("nan"))
-        return types.SimpleNamespace(o=o, ht=ht, ws=self.workspace("fwd", t.B, t.T, t.H, t.HV, t.N))
+            return None
+        return types.SimpleNamespace(o=torch.full_like(t.v, float("nan")), ht=torch.full_like(t.h0, float("nan")),
+                                     ws=self.workspace("fwd", t.B, t.T, t.H, t.HV, t.N))
 
-    def fwd(self, t, out):
-        if self.api == "public":
-            out.res = self.pkg.gdn_chunk_fwd(t.q, t.k, t.v, t.g, t.beta, scale=t.scale, initial_state=t.h0,
-                                             output_final_state=True, cu_seqlens=t.cu32)
-            return
-        self.C.chunk_fwd(t.q, t.k, t.v, t.g, t.beta, out.o, scale=t.scale, initial_state=t.h0,
-                         final_state=out.ht, cu_seqlens=t.cu32, workspace=out.ws, stream=cur_stream())
+    def fwd(self, t, st):
+        if st is None:
+            with torch.no_grad():
+                return self.pkg.gdn_chunk(t.q, t.k, t.v, t.g, t.beta, scale=t.scale, initial_state=t.h0,
+                                          output_final_state=True, cu_seqlens=t.cu32)
+        self.C.chunk_fwd(t.q, t.k, t.v, t.g, t.beta, st.o, scale=t.scale, initial_state=t.h0,
+                         final_state=st.ht, cu_seqlens=t.cu32, workspace=st.ws, stream=cur_stream())
+        return st.o, st.ht
 
-    def fwd_result(self, out):
-        return (out.res[0], out.res[1]) if self.api == "public" else (out.o, out.ht)
+    def fwd_public(self, t):
+        return self.fwd(t, None)
 
-    # ---- backward alone: bwd_outputs(t) runs the forward once for ctx (public API)
-    def bwd_outputs(self, t):
+    # ---- backward alone: bwd_prepare(t) runs the forward once for its context
+    def bwd_prepare(self, t):
         if self.api == "public":
             _, _, ctx = self.pkg.gdn_chunk_fwd(t.q, t.k, t.v, t.g, t.beta, scale=t.scale, initial_state=t.h0,
                                                output_final_state=True, cu_seqlens=t.cu32)
-            return types.SimpleNamespace(ctx=ctx, res=None)
+            return ctx
         nan = float("nan")
         return types.SimpleNamespace(
             dq=torch.full_like(t.q, nan), dk=torch.full_like(t.k, nan), dv=torch.full_like(t.v, nan),
             dg=torch.full_like(t.g, nan), dbeta=torch.full_like(t.beta, nan),
             dh0=torch.full_like(t.h0, nan), ws=self.workspace("bwd", t.B, t.T, t.H, t.HV, t.N))
 
-    def bwd(self, t, out):
+    def bwd(self, t, st):
+        """-> dict dq, dk, dv, dg, dbeta, dh0."""
         if self.api == "public":
-            out.res = self.pkg.gdn_chunk_bwd(out.ctx, t.do, t.dht)
-            return
-        self.C.chunk_bwd(t.q, t.k, t.v, t.g, t.beta, t.do, out.dq, out.dk, out.dv, out.dg, out.dbeta,
+            return dict(zip(GRAD_NAMES, self.pkg.gdn_chunk_bwd(st, t.do, t.dht)))
+        self.C.chunk_bwd(t.q, t.k, t.v, t.g, t.beta, t.do, st.dq, st.dk, st.dv, st.dg, st.dbeta,
                          scale=t.scale, initial_state=t.h0, dfinal_state=t.dht,
-                         dinitial_state=out.dh0, cu_seqlens=t.cu32, workspace=out.ws,
-                         stream=cur_stream())
+                         dinitial_state=st.dh0, cu_seqlens=t.cu32, workspace=st.ws, stream=cur_stream())
+        return {n: getattr(st, n) for n in GRAD_NAMES}
 
-    def bwd_result(self, out):
-        """dict dq, dk, dv, dg, dbeta, dh0."""
-        names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-        if self.api == "public":
-            return dict(zip(names, out.res))
-        return {n: getattr(out, n) for n in names}
+    # ---- training step through autograd: leaves = leaves_of(t)
+    def train(self, t, leaves):
+        """-> (o, ht, dict of the six gradients)."""
+        q, k, v, g, beta, h0 = leaves
+        o, ht = self.pkg.gdn_chunk(q, k, v, g, beta, scale=t.scale, initial_state=h0,
+                                   output_final_state=True, cu_seqlens=t.cu32)
+        grads = torch.autograd.grad([o, ht], leaves, [t.do, t.dht])
+        return o, ht, dict(zip(GRAD_NAMES, grads))
 
     # ---- decode step: state pool t.state updated in place
-    def dec_outputs(self, t):
+    def dec_prepare(self, t):
         if self.api == "public":
-            return types.SimpleNamespace(res=None)
+            return None
         return types.SimpleNamespace(o=torch.full_like(t.v, float("nan")),
                                      ws=self.workspace("recurrent", t.B, t.T, t.H, t.HV, t.N))
 
-    def recurrent(self, t, out):
-        if self.api == "public":
-            out.res = self.pkg.gdn_recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, state_indices=t.indices,
-                                             scale=t.scale)
-            return
-        self.C.recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, out.o, scale=t.scale,
-                         state_indices=t.indices, workspace=out.ws, stream=cur_stream())
+    def recurrent(self, t, st):
+        if st is None:
+            return self.pkg.gdn_recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, state_indices=t.indices,
+                                          scale=t.scale)
+        self.C.recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, st.o, scale=t.scale,
+                         state_indices=t.indices, workspace=st.ws, stream=cur_stream())
+        return st.o
 
-    def dec_result(self, out):
-        return out.res if self.api == "public" else out.o
+
+# -------------------------------------------------------------------------- FlashQLA --
+class FlashQla:
+    """QwenLM's FlashQLA 0.1.3 (package flash_qla, TileLang kernels), its public PyTorch calls
+    (flash_qla/ops/gated_delta_rule/chunk/__init__.py):
+
+        chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+            output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+            head_first=False, state_v_first=False, auto_cp=True, enable_fwd_cp_cache=True,
+            cp_context=None, force_intra_cp=False) -> (o [B,T,HV,V] in q's dtype,
+            final_state [N,HV,K,V] fp32 or None)
+        chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, do, dht=None, scale=None,
+            initial_state=None, cu_seqlens=None, state_v_first=False, auto_cp=True,
+            cp_cache=None, cp_context=None) -> (dq, dk, dv, db, dg, dh0)
+
+    q, k [B,T,H,K] and v [B,T,HV,V] bf16/fp16 (K = V = 128 only), g (log space) and beta
+    [B,T,HV] (fp32 here), h0 [N,HV,K,V] fp32 (state_v_first=False: K first, like ours),
+    cu_seqlens [N+1] with B = 1; its dtype picks the kernels (int32 here, like the int32 that
+    FlashQLA synthesises for a B = 1 call without cu_seqlens, so those rows share kernels).
+    Defaults kept: automatic intra-card CP (auto_cp=True) and, when inputs require grad, the
+    forward's CP cache for the backward (enable_fwd_cp_cache=True)."""
+
+    name = "flash_qla"
+
+    def __init__(self):
+        import flash_qla
+        import tilelang
+        self.pkg = flash_qla
+        self.fn = flash_qla.chunk_gated_delta_rule
+        self.bwd_fn = flash_qla.chunk_gated_delta_rule_bwd
+        self.version = getattr(flash_qla, "__version__", None) or module_version("flash-qla")
+        self.tilelang_version = getattr(tilelang, "__version__", None)
+        try:
+            self.cache_dir = str(tilelang.env.TILELANG_CACHE_DIR)
+        except Exception:
+            self.cache_dir = os.environ.get("TILELANG_CACHE_DIR")
+
+    def cache_entries(self):
+        """Compiled kernels in TileLang's disk cache (<dir>/<version>/<platform>/kernels/<key>)."""
+        if not self.cache_dir:
+            return set()
+        return set(glob.glob(os.path.join(self.cache_dir, "*", "*", "kernels", "*")))
+
+    def fwd(self, t, st=None):
+        """Inference forward -> (o, ht)."""
+        with torch.no_grad():
+            return self.fn(t.q, t.k, t.v, t.g, t.beta, scale=t.scale, initial_state=t.h0,
+                           output_final_state=True, cu_seqlens=t.cu32)
+
+    fwd_public = fwd
+
+    def fwd_prepare(self, t):
+        return None
+
+    def bwd_prepare(self, t):
+        """The saved context of an autograd forward (its grad_fn: saved tensors, cp_context,
+        cp_cache, scale), exactly what ChunkGatedDeltaRuleFunction.backward reads."""
+        leaves = leaves_of(t)
+        with torch.enable_grad():
+            o, ht = self.fn(*leaves[:5], scale=t.scale, initial_state=leaves[5], output_final_state=True,
+                            cu_seqlens=t.cu32)
+        return o.grad_fn
+
+    def bwd(self, t, ctx):
+        """What ChunkGatedDeltaRuleFunction.backward calls, given the forward's context."""
+        q, k, q_rstd, k_rstd, v, g, beta, A, h0, cu = ctx.saved_tensors
+        dq, dk, dv, db, dg, dh0 = self.bwd_fn(
+            q=q, k=k, v=v, g=g, beta=beta, A=A, do=t.do, dht=t.dht, scale=ctx.scale, initial_state=h0,
+            cu_seqlens=cu, state_v_first=ctx.state_v_first, auto_cp=ctx.autocp, cp_cache=ctx.cp_cache,
+            cp_context=ctx.cp_context)
+        return {"dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": db, "dh0": dh0}
+
+    def train(self, t, leaves):
+        q, k, v, g, beta, h0 = leaves
+        o, ht = self.fn(q, k, v, g, beta, scale=t.scale, initial_state=h0, output_final_state=True,
+                        cu_seqlens=t.cu32)
+        grads = torch.autograd.grad([o, ht], leaves, [t.do, t.dht])
+        return o, ht, dict(zip(GRAD_NAMES, grads))
 
 
 # -------------------------------------------------------------------------------- FLA --
 class Fla:
-    """FLA's Triton path: public forward, internal backward given saved intermediates."""
+    """FLA's Triton path (only in the FLA process, with FLA_DISABLE_BACKEND_DISPATCH=1 set
+    before fla is imported): public forward and training step, internal backward alone given
+    the forward's saved intermediates, fused_recurrent decode."""
 
+    name = "fla"
     GUARD = "fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1"
 
     def __init__(self):
-        # FLA's own Triton kernels, not a backend it may dispatch to (FlashQLA, TileLang).
-        os.environ.setdefault("FLA_FLASH_QLA", "0")
-        os.environ.setdefault("FLA_TILELANG", "0")
+        for k, v in FLA_ENV.items():
+            os.environ.setdefault(k, v)
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         self.version = getattr(fla, "__version__", None)
         self.chunk = chunk_gated_delta_rule
         self.fused_recurrent = fused_recurrent_gated_delta_rule
+        try:
+            import fla.backends as fb
+            self.dispatch_disabled = bool(getattr(fb, "_DISPATCH_DISABLED", None))
+        except Exception:
+            self.dispatch_disabled = None
         self.internal_error = None
         try:
             from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
-            self.fwd_internal = chunk_gated_delta_rule_fwd
-            self.bwd_internal = chunk_gated_delta_rule_bwd
+            self.fwd_internal, self.bwd_internal = chunk_gated_delta_rule_fwd, chunk_gated_delta_rule_bwd
         except Exception as e:
             self.fwd_internal = self.bwd_internal = None
             self.internal_error = short_err(e)
@@ -431,13 +714,11 @@ class Fla:
             self.prepare_chunk_indices = prepare_chunk_indices
         except Exception:
             self.prepare_chunk_indices = None
-        self.guard_module = None
-        self.guard_before = None
+        self.guard_module, self.guard_before = None, None
         try:
             import fla.ops.common.chunk_o as chunk_o
             if hasattr(chunk_o, "TRITON_ABOVE_3_7_1"):
-                self.guard_module = chunk_o
-                self.guard_before = bool(chunk_o.TRITON_ABOVE_3_7_1)
+                self.guard_module, self.guard_before = chunk_o, bool(chunk_o.TRITON_ABOVE_3_7_1)
         except Exception:
             pass
         self.guard_flipped = False
@@ -449,41 +730,64 @@ class Fla:
             self.guard_flipped = True
 
     def prepare(self, t):
-        """chunk_indices computed once outside capture (prepare_chunk_indices reads the host)."""
-        if t.cu64 is not None and self.prepare_chunk_indices is not None:
+        """chunk_indices computed once outside capture (computing it reads the host)."""
+        if t.cu64 is not None and self.prepare_chunk_indices is not None and t.ci is None:
             t.ci = self.prepare_chunk_indices(t.cu64, 64)
 
-    def fwd(self, t):
-        kw = dict(scale=t.scale, initial_state=t.h0, output_final_state=True)
+    def _kw(self, t):
+        kw = dict(scale=t.scale, output_final_state=True)
         if t.cu64 is not None:
             kw.update(cu_seqlens=t.cu64, chunk_indices=t.ci)
-        with torch.no_grad():
-            return self.chunk(t.q, t.k, t.v, t.g, t.beta, **kw)
+        return kw
 
-    def fwd_saved(self, t):
+    def fwd(self, t, st=None):
+        with torch.no_grad():
+            return self.chunk(t.q, t.k, t.v, t.g, t.beta, initial_state=t.h0, **self._kw(t))
+
+    fwd_public = fwd
+
+    def fwd_prepare(self, t):
+        self.prepare(t)
+        return None
+
+    def bwd_prepare(self, t):
         """The forward's saved intermediates: (chunk-local cumulative gate, A)."""
+        self.prepare(t)
         if self.fwd_internal is None:
             raise RuntimeError("FLA internals not importable: %s" % self.internal_error)
+        self.flip_guard()
         kw = dict(q=t.q, k=t.k, v=t.v, g=t.g, beta=t.beta, scale=t.scale, initial_state=t.h0,
                   output_final_state=True, cu_seqlens=t.cu64, chunk_indices=t.ci)
         with torch.no_grad():
             res = self.fwd_internal(**filter_kwargs(self.fwd_internal, kw))
-        g_cum, A = res[0], res[2]
+        g_cum, A = res[0], res[2]       # (g, o, A, final_state, initial_state, g_input)
         if tuple(g_cum.shape) != tuple(t.g.shape) or A.shape[:3] != t.v.shape[:3]:
             raise RuntimeError("unexpected chunk_gated_delta_rule_fwd outputs (FLA version?): %s"
                                % [tuple(x.shape) for x in res if hasattr(x, "shape")])
         return g_cum, A
 
-    def bwd(self, t, g_cum, A):
+    def bwd(self, t, st):
+        g_cum, A = st
         kw = dict(q=t.q, k=t.k, v=t.v, g=g_cum, beta=t.beta, A=A, scale=t.scale,
                   initial_state=t.h0, do=t.do, dht=t.dht, cu_seqlens=t.cu64, chunk_indices=t.ci)
         with torch.no_grad():
-            return self.bwd_internal(**filter_kwargs(self.bwd_internal, kw))  # dq dk dv db dg dh0 ...
+            res = self.bwd_internal(**filter_kwargs(self.bwd_internal, kw))  # dq dk dv db dg dh0 ...
+        return dict(zip(("dq", "dk", "dv", "dbeta", "dg", "dh0"), res[:6]))
 
-    def recurrent(self, t, state):
+    def train(self, t, leaves):
+        self.flip_guard()
+        q, k, v, g, beta, h0 = leaves
+        o, ht = self.chunk(q, k, v, g, beta, initial_state=h0, **self._kw(t))
+        grads = torch.autograd.grad([o, ht], leaves, [t.do, t.dht])
+        return o, ht, dict(zip(GRAD_NAMES, grads))
+
+    def dec_prepare(self, t):
+        return None
+
+    def recurrent(self, t, st=None):
         with torch.no_grad():
             return self.fused_recurrent(t.q, t.k, t.v, g=t.g, beta=t.beta, scale=t.scale,
-                                        initial_state=state, output_final_state=True)
+                                        initial_state=t.state0, output_final_state=True)
 
 
 # ----------------------------------------------------------------------------- timing --
@@ -531,8 +835,7 @@ def time_calls(fns, reps, warmup=3):
 
 def graph_repeats(floor, R, min_ms=0.1):
     """Times the R rotated calls appear in one graph, so that a replay holds >= min_ms of work
-    by the floor estimate: for microsecond calls (decode N = 1) the graph launch latency,
-    which the start event also sees, is then spread over many calls."""
+    by the floor estimate (graph launch latency spread over many microsecond-long calls)."""
     return int(max(1, min(64, math.ceil(min_ms / max(floor * R, 1e-6)))))
 
 
@@ -547,10 +850,23 @@ def rotation_count(nbytes, mode):
     return int(min(8, max(1, math.ceil(4 * l2 / max(nbytes, 1)))))
 
 
+def peak_extra_mib(call):
+    """Peak device memory allocated during one (warm, eager) call above what was allocated
+    before it (the inputs) and above the bytes of what it returns (its outputs), in MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    held = tensor_bytes(res)
+    del res
+    return (peak - base - held) / 2 ** 20
+
+
 # ------------------------------------------------------------------- reference check --
 def float64_reference(t):
-    """o, ht and the gradients for <o, do> + <ht, dht>, float64 on the CPU: flashqla/reference.py
-    (NumPy, token by token, hand-written reverse mode)."""
+    """o, ht and the gradients for <o, do> + <ht, dht>, float64 on the CPU (flashqla/reference.py)."""
     names = ("q", "k", "v", "g", "beta", "h0")
     R = REFERENCE
     x = {n: getattr(t, n).detach().float().cpu().numpy() for n in names}
@@ -559,119 +875,99 @@ def float64_reference(t):
     grads = R.backward(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dfinal_state=dht, scale=t.scale,
                        initial_state=x["h0"])
     ref = {"o": o, "ht": ht}
-    ref.update(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads))
+    ref.update(zip(GRAD_NAMES, grads))
     return {n: torch.from_numpy(v) for n, v in ref.items()}, "flashqla/reference.py (float64 NumPy)"
 
 
-def reference_check(fq, fla, seed=1234):
-    """flashqla and FLA against the float64 reference on small cases (H=2, HV=4, T=256).
+def check_inputs(gates, seed=1234):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    s = CHECK_SHAPE
+    return make_chunk_inputs(s["H"], s["HV"], row_geometry(s), s["seqlens"], gen, grads=True, gates=gates)
 
-    Two gate regimes: ANCHORS' (logsigmoid(randn)/16, a quarter of heads 0) and DESIGN §3's
-    strong decay (A_h up to 16). Returns a dict of rel errors and pass flags."""
+
+def reference_check(libs):
+    """Each library in libs ({name: adapter}) against the float64 reference on small cases
+    (H=2, HV=4, T=256), ANCHORS gates and DESIGN §3's strong decay: o, ht and the six gradients.
+    flashqla: gdn_chunk_fwd + gdn_chunk_bwd (its "bwd" pass); FlashQLA and FLA: their
+    autograd (the "train" pass). Returns a dict of relative errors, first-call times and flags."""
     out = {"shape": "B=1 T=256 H=2 HV=4 K=V=128, bf16 q/k/v, fp32 g/beta/h0, h0 and dht given",
-           "tolerances": TOL, "cases": {}}
+           "tolerances": TOL, "cases": {}, "first_call_s": {}}
     for gates in ("anchor", "strong"):
-        gen = torch.Generator(device=DEVICE).manual_seed(seed)
-        geo = dict(B=1, T=256, N=1, tokens=256, varlen=False)
-        t = make_chunk_inputs(2, 4, geo, [256], gen, bwd=True, gates=gates)
+        t = check_inputs(gates)
         ref, out["reference"] = float64_reference(t)
         case = {}
-        if fq is not None:
+        for name, lib in libs.items():
+            t0 = time.time()
             try:
-                fo = fq.fwd_outputs(t)
-                fq.fwd(t, fo)
-                bo = fq.bwd_outputs(t)
-                fq.bwd(t, bo)
+                if name == "flashqla":
+                    o, ht = lib.fwd(t, lib.fwd_prepare(t))
+                    got = dict(lib.bwd(t, lib.bwd_prepare(t)))
+                    got["o"], got["ht"] = o, ht
+                else:
+                    o, ht, got = lib.train(t, leaves_of(t))
+                    got = dict(got, o=o, ht=ht)
                 torch.cuda.synchronize()
-                got = dict(fq.bwd_result(bo))
-                got["o"], got["ht"] = fq.fwd_result(fo)
-                case["flashqla"] = {n: rel_err(got[n], ref[n]) for n in TOL}
+                case[name] = {n: (rel_err(got[n], ref[n]) if got.get(n) is not None else float("inf"))
+                              for n in TOL}
+                case[name + "_ok"] = all(case[name][n] <= TOL[n] for n in TOL)
             except Exception as e:
-                case["flashqla"] = {"error": short_err(e)}
-        if fla is not None:
-            try:
-                fla.flip_guard()
-                ins = {n: getattr(t, n).detach().clone().requires_grad_(True)
-                       for n in ("q", "k", "v", "g", "beta", "h0")}
-                o, ht = fla.chunk(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], scale=t.scale,
-                                  initial_state=ins["h0"], output_final_state=True)
-                torch.autograd.backward([o, ht], [t.do, t.dht])
-                torch.cuda.synchronize()
-                got = {"o": o, "ht": ht, "dq": ins["q"].grad, "dk": ins["k"].grad, "dv": ins["v"].grad,
-                       "dg": ins["g"].grad, "dbeta": ins["beta"].grad, "dh0": ins["h0"].grad}
-                case["fla"] = {n: (rel_err(got[n], ref[n]) if got[n] is not None else float("inf"))
-                               for n in TOL}
-            except Exception as e:
-                case["fla"] = {"error": short_err(e)}
-        for lib in ("flashqla", "fla"):
-            if lib in case and "error" not in case[lib]:
-                case[lib + "_ok"] = all(case[lib][n] <= TOL[n] for n in TOL)
+                case[name] = {"error": short_err(e)}
+            out["first_call_s"].setdefault(name, round(time.time() - t0, 2))
         out["cases"][gates] = case
-    for lib in ("flashqla", "fla"):
-        flags = [c.get(lib + "_ok") for c in out["cases"].values()]
-        out[lib + "_ok"] = None if any(f is None for f in flags) else all(flags)
+    for name in libs:
+        flags = [c.get(name + "_ok") for c in out["cases"].values()]
+        out[name + "_ok"] = None if any(f is None for f in flags) else all(flags)
+    return out
+
+
+def merge_reference_checks(a, b):
+    """Merge two reference_check dicts (this process's and FLA's)."""
+    if not a:
+        return b
+    if not b:
+        return a
+    out = dict(a)
+    for gates, case in (b.get("cases") or {}).items():
+        out.setdefault("cases", {}).setdefault(gates, {}).update(case)
+    out.setdefault("first_call_s", {}).update(b.get("first_call_s") or {})
+    for k, v in b.items():
+        if k.endswith("_ok"):
+            out[k] = v
     return out
 
 
 def print_reference_check(rc):
+    if not rc or "cases" not in rc:
+        if rc and rc.get("error"):
+            log("reference check failed:", rc["error"])
+        return
     log("\n== float64 reference check (%s; reference: %s) ==" % (rc["shape"], rc.get("reference")))
     names = list(TOL)
-    log("%-8s %-9s " % ("gates", "lib") + " ".join("%9s" % n for n in names) + "  ok")
-    log("%-8s %-9s " % ("", "tol") + " ".join("%9.0e" % TOL[n] for n in names))
+    log("%-8s %-10s " % ("gates", "lib") + " ".join("%9s" % n for n in names) + "  ok")
+    log("%-8s %-10s " % ("", "tol") + " ".join("%9.0e" % TOL[n] for n in names))
     for gates, case in rc["cases"].items():
-        for lib in ("flashqla", "fla"):
+        for lib in LIBS:
             if lib not in case:
                 continue
             r = case[lib]
             if "error" in r:
-                log("%-8s %-9s ERROR %s" % (gates, lib, r["error"]))
+                log("%-8s %-10s ERROR %s" % (gates, lib, r["error"]))
             else:
-                log("%-8s %-9s " % (gates, lib) + " ".join("%9.2e" % r[n] for n in names)
+                log("%-8s %-10s " % (gates, lib) + " ".join(
+                    "%9.2e" % r[n] if r.get(n) is not None else "%9s" % "-" for n in names)
                     + "  " + ("yes" if case.get(lib + "_ok") else "NO"))
 
 
 # ------------------------------------------------------------------------------ rows --
-class Bench:
-    def __init__(self, args):
+class Runner:
+    """Times the rows of one process: flashqla and FlashQLA here (libs), or FLA (its process)."""
+
+    def __init__(self, args, libs, budget):
         self.args = args
+        self.libs = libs                    # {name: adapter}, in run order
+        self.budget = budget
         self.reps = args.reps if args.reps else (15 if args.quick else 50)
-        self.fq = self.fla = None
-        self.fq_error = self.fla_error = None
         self.ctx_dead = None
-        self.t_start = time.time()
-
-    def out_of_time(self):
-        b = self.args.time_budget
-        return b and (time.time() - self.t_start) > b
-
-    def setup(self):
-        if self.args.fla_warmup_only:
-            self.fq_error = "not loaded (--fla-warmup-only)"
-        try:
-            if self.args.fla_warmup_only:
-                raise RuntimeError(self.fq_error)
-            self.fq = Flashqla(self.args.api)
-            if not self.fq.cuda_built:
-                self.fq_error = "flashqla was built without CUDA (_C.cuda_built() is False)"
-                log("WARNING:", self.fq_error)
-        except Exception as e:
-            self.fq_error = short_err(e)
-            if not self.args.fla_warmup_only:
-                log("flashqla not usable:", self.fq_error)
-            self.fq = None
-        if not self.args.no_fla:
-            try:
-                self.fla = Fla()
-                if self.fla.internal_error:
-                    log("FLA internals not importable (no FLA backward timing):", self.fla.internal_error)
-            except Exception as e:
-                self.fla_error = short_err(e)
-                log("FLA not importable:", self.fla_error)
-                self.fla = None
-        if self.fla is not None:
-            log("FLA %s; backward guard %s = %s before flipping" % (
-                self.fla.version, Fla.GUARD,
-                self.fla.guard_before if self.fla.guard_module is not None else "not found"))
 
     def note_error(self, e):
         s = short_err(e)
@@ -681,165 +977,128 @@ class Bench:
             self.ctx_dead = s
         return s
 
-    # ---- one chunk row (fwd or bwd) ----
-    def run_chunk_row(self, pass_, spec, warmup_only=False):
-        H, HV = spec["H"], spec["HV"]
-        geo = row_geometry(spec)
-        flops, nbytes = chunk_cost(pass_, H, HV, geo["tokens"], geo["N"])
-        r = {"pass": pass_, "H": H, "HV": HV, "seqlens": list(spec["seqlens"]), "layout": spec["layout"],
-             "B": geo["B"], "N": geo["N"], "tokens": geo["tokens"], "flashqla_ms": None, "fla_ms": None,
-             "flop": flops, "bytes": nbytes, "floor_ms": floor_ms(flops, nbytes),
-             "flop_model": ("fwd 183 kFLOP/token/value head" if pass_ == "fwd" else
-                            "bwd ESTIMATE 2.5 x 183 kFLOP/token/value head"),
-             "anchor_ms": spec["anchor"], "errors": {}}
-        R = 1 if warmup_only else rotation_count(nbytes, self.args.rotate)
+    def set_compile_timeout(self):
+        """FlashQLA: bound each nvcc run by the time left (TileLang reads this variable per
+        compile), so that a JIT cannot run the whole device call past its budget."""
+        if self.budget.seconds:
+            os.environ["TILELANG_COMPILE_TIMEOUT_SECONDS"] = "%d" % max(10, self.budget.left())
+
+    def run_row(self, pass_, spec, warmup_only=False):
+        r = new_row(pass_, spec)
+        R = 1 if warmup_only else rotation_count(r["bytes"], self.args.rotate)
         rep = graph_repeats(r["floor_ms"], R)
         r["rotate"], r["calls_per_graph"] = R, R * rep
-        gen = torch.Generator(device=DEVICE).manual_seed(1000 + H * 7 + HV + geo["tokens"])
-        sets = [make_chunk_inputs(H, HV, geo, spec["seqlens"], gen, bwd=(pass_ == "bwd")) for _ in range(R)]
-        check = {}
-        fla_res = None
-        # FLA first: its numbers survive if flashqla later breaks the CUDA context.
-        if self.fla is not None:
+        sets = decode_sets(spec, R) if pass_ == "decode" else chunk_sets(pass_, spec, R)
+        firsts = {}
+        for name, lib in self.libs.items():
+            if pass_ == "decode" and not hasattr(lib, "recurrent"):
+                continue
+            if self.ctx_dead:
+                r["errors"][name] = "skipped: CUDA context lost earlier (%s)" % self.ctx_dead
+                continue
             try:
-                for t in sets:
-                    self.fla.prepare(t)
-                if pass_ == "fwd":
-                    fla_res = self.fla.fwd(sets[0])
-                    if not warmup_only:
-                        tm = time_calls([(lambda t=t: self.fla.fwd(t)) for t in sets] * rep, self.reps)
-                else:
-                    if self.fla.bwd_internal is None:
-                        raise RuntimeError("FLA backward internals missing: %s" % self.fla.internal_error)
-                    self.fla.flip_guard()
-                    saved = [self.fla.fwd_saved(t) for t in sets]
-                    fla_res = self.fla.bwd(sets[0], *saved[0])
-                    if not warmup_only:
-                        tm = time_calls([(lambda t=t, s=s: self.fla.bwd(t, *s)) for t, s in zip(sets, saved)] * rep,
-                                        self.reps)
-                    r["fla_grad_check_ok"] = self.fla.grad_check_ok
-                torch.cuda.synchronize()
-                if not warmup_only:
-                    r["fla_ms"], r["fla_ms_min"], r["fla_timing"] = tm["ms"], tm["ms_min"], tm["method"]
+                firsts[name] = self.run_lib(r, name, lib, pass_, sets, rep, warmup_only)
             except Exception as e:
-                r["errors"]["fla"] = self.note_error(e)
+                r["errors"][name] = self.note_error(e)
                 if self.args.verbose:
                     traceback.print_exc()
-        if warmup_only:
-            return r
-        if self.fq is not None and self.fq.cuda_built and not self.ctx_dead:
             try:
-                if pass_ == "fwd":
-                    outs = [self.fq.fwd_outputs(t) for t in sets]
-                    self.fq.fwd(sets[0], outs[0])
-                    torch.cuda.synchronize()
-                    o_fq, ht_fq = self.fq.fwd_result(outs[0])
-                    if fla_res is not None:
-                        check["o_rel_vs_fla"] = rel_err(o_fq, fla_res[0])
-                        check["ht_rel_vs_fla"] = rel_err(ht_fq, fla_res[1])
-                    else:
-                        check["o_finite"] = bool(torch.isfinite(o_fq).all().item())
-                    tm = time_calls([(lambda t=t, o=o: self.fq.fwd(t, o)) for t, o in zip(sets, outs)] * rep, self.reps)
-                else:
-                    outs = [self.fq.bwd_outputs(t) for t in sets]
-                    self.fq.bwd(sets[0], outs[0])
-                    torch.cuda.synchronize()
-                    got = self.fq.bwd_result(outs[0])
-                    if fla_res is not None:
-                        names = ("dq", "dk", "dv", "dbeta", "dg", "dh0")   # FLA's order: dq dk dv db dg dh0
-                        for n, x in zip(names, fla_res[:6]):
-                            if x is not None and got.get(n) is not None:
-                                check[n + "_rel_vs_fla"] = rel_err(got[n], x)
-                    else:
-                        check["dq_finite"] = bool(torch.isfinite(got["dq"]).all().item())
-                    tm = time_calls([(lambda t=t, o=o: self.fq.bwd(t, o)) for t, o in zip(sets, outs)] * rep, self.reps)
-                r["flashqla_ms"], r["flashqla_ms_min"], r["flashqla_timing"] = tm["ms"], tm["ms_min"], tm["method"]
-            except Exception as e:
-                r["errors"]["flashqla"] = self.note_error(e)
-                if self.args.verbose:
-                    traceback.print_exc()
-        else:
-            r["errors"]["flashqla"] = self.fq_unavailable()
-        return self.finish_row(r, check)
-
-    # ---- one decode row ----
-    def run_decode_row(self, spec, warmup_only=False):
-        H, HV, N, T = spec["H"], spec["HV"], spec["N"], spec["T"]
-        flops, nbytes = decode_cost(H, HV, N, T)
-        r = {"pass": "decode", "H": H, "HV": HV, "seqlens": [T] * N, "N": N, "T": T,
-             "flashqla_ms": None, "fla_ms": None, "flop": flops, "bytes": nbytes,
-             "floor_ms": floor_ms(flops, nbytes), "flop_model": "decode 7*K*V per token/value head",
-             "anchor_ms": spec["anchor"], "errors": {}}
-        R = 1 if warmup_only else rotation_count(nbytes, self.args.rotate)
-        rep = graph_repeats(r["floor_ms"], R)
-        r["rotate"], r["calls_per_graph"] = R, R * rep
-        gen = torch.Generator(device=DEVICE).manual_seed(2000 + N * 3 + T + HV)
-        sets = [make_decode_inputs(H, HV, N, T, gen) for _ in range(R)]
-        check = {}
-        fla_res = None
-        if self.fla is not None:
-            try:
-                fla_res = self.fla.recurrent(sets[0], sets[0].state0)
-                torch.cuda.synchronize()
-                if not warmup_only:
-                    tm = time_calls([(lambda t=t: self.fla.recurrent(t, t.state0)) for t in sets] * rep, self.reps)
-                    r["fla_ms"], r["fla_ms_min"], r["fla_timing"] = tm["ms"], tm["ms_min"], tm["method"]
-            except Exception as e:
-                r["errors"]["fla"] = self.note_error(e)
-        if warmup_only:
-            return r
-        if self.fq is not None and self.fq.cuda_built and not self.ctx_dead:
-            try:
-                outs = [self.fq.dec_outputs(t) for t in sets]
-                self.fq.recurrent(sets[0], outs[0])       # state was state0: one step from state0
-                torch.cuda.synchronize()
-                if fla_res is not None:
-                    check["o_rel_vs_fla"] = rel_err(self.fq.dec_result(outs[0]), fla_res[0])
-                    check["state_rel_vs_fla"] = rel_err(sets[0].state, fla_res[1])
-                tm = time_calls([(lambda t=t, o=o: self.fq.recurrent(t, o)) for t, o in zip(sets, outs)] * rep, self.reps)
-                r["flashqla_ms"], r["flashqla_ms_min"], r["flashqla_timing"] = tm["ms"], tm["ms_min"], tm["method"]
-            except Exception as e:
-                r["errors"]["flashqla"] = self.note_error(e)
-        else:
-            r["errors"]["flashqla"] = self.fq_unavailable()
-        return self.finish_row(r, check)
-
-    def fq_unavailable(self):
-        """Why a row has no flashqla time: the CUDA context was lost, or flashqla is not usable."""
-        if self.ctx_dead:
-            return "skipped: CUDA context lost earlier (%s)" % self.ctx_dead
-        return self.fq_error or "flashqla not available"
-
-    def finish_row(self, r, check):
-        r["check"] = check
-        self.derive(r)
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+        r["check"] = compare_outputs(pass_, firsts)
+        derive_metrics(r)
         return r
 
-    @staticmethod
-    def derive(r):
-        derive_metrics(r)
+    def run_lib(self, r, name, lib, pass_, sets, rep, warmup_only):
+        """One library on one row: first call (JIT, compile), memory, timing. Returns the first
+        call's outputs (for the cross-library check)."""
+        is_fqla = name == "flash_qla"
+        if is_fqla:
+            self.set_compile_timeout()
+            before = lib.cache_entries()
+        for t in sets:
+            if hasattr(lib, "prepare") and pass_ != "decode":
+                lib.prepare(t)                    # FLA: chunk_indices, outside capture
+        t0 = time.time()
+        if pass_ == "decode":
+            states = [lib.dec_prepare(t) for t in sets]
+            for t in sets:
+                if hasattr(t, "state"):
+                    t.state.copy_(t.state0)
+            first = lib.recurrent(sets[0], states[0])
+            if name == "flashqla":
+                first = (first, sets[0].state.clone())
+            calls = [(lambda t=t, s=s: lib.recurrent(t, s)) for t, s in zip(sets, states)]
+        elif pass_ == "fwd":
+            states = [lib.fwd_prepare(t) for t in sets]
+            first = lib.fwd(sets[0], states[0])
+            calls = [(lambda t=t, s=s: lib.fwd(t, s)) for t, s in zip(sets, states)]
+        elif pass_ == "bwd":
+            states = [lib.bwd_prepare(t) for t in sets]
+            first = lib.bwd(sets[0], states[0])
+            calls = [(lambda t=t, s=s: lib.bwd(t, s)) for t, s in zip(sets, states)]
+        else:  # train
+            leaves = [leaves_of(t) for t in sets]
+            first = lib.train(sets[0], leaves[0])
+            calls = [(lambda t=t, lv=lv: lib.train(t, lv)) for t, lv in zip(sets, leaves)]
+        torch.cuda.synchronize()
+        first_s = time.time() - t0
+        if is_fqla:
+            r["flash_qla_jit_s"] = round(first_s, 2)
+            r["flash_qla_new_kernels"] = len(lib.cache_entries() - before)
+        else:
+            r[name + "_first_call_s"] = round(first_s, 2)
+        if name == "fla" and pass_ in ("bwd", "train"):
+            r["fla_grad_check_ok"] = lib.grad_check_ok
+        if warmup_only:
+            return first
+        if pass_ in ("fwd", "train"):
+            try:
+                if pass_ == "fwd":
+                    r["peak_extra_mib"][name] = peak_extra_mib(lambda: lib.fwd_public(sets[0]))
+                else:
+                    r["peak_extra_mib"][name] = peak_extra_mib(lambda: lib.train(sets[0], leaves_of(sets[0])))
+            except Exception as e:
+                r["errors"][name + "_memory"] = self.note_error(e)
+        tm = time_calls(calls * rep, self.reps)
+        r[name + "_ms"], r[name + "_ms_min"], r[name + "_timing"] = tm["ms"], tm["ms_min"], tm["method"]
+        return first
 
 
-def derive_metrics(r):
-    fq, fl = r.get("flashqla_ms"), r.get("fla_ms")
-    r["tflops"] = r["flop"] / (fq * 1e-3) / 1e12 if fq else None
-    r["fla_tflops"] = r["flop"] / (fl * 1e-3) / 1e12 if fl else None
-    r["pct_floor"] = 100.0 * r["floor_ms"] / fq if fq else None
-    r["ratio"] = fl / fq if (fq and fl) else None
-    pub = (r.get("anchor_ms") or {}).get("flashqla_pub")
-    r["flashqla_pub_over_ours"] = pub / fq if (pub and fq) else None
-    ours = (r.get("anchor_ms") or {}).get("fla_ours") or (r.get("anchor_ms") or {}).get("fla_pub")
-    r["fla_vs_anchor"] = fl / ours if (fl and ours) else None
+def _outputs_of(pass_, res):
+    """{name: tensor} of a first call's result."""
+    if res is None:
+        return {}
+    if pass_ == "decode":
+        return {"o": res[0], "state": res[1]} if isinstance(res, tuple) and len(res) == 2 else {}
+    if pass_ == "fwd":
+        return {"o": res[0], "ht": res[1]}
+    if pass_ == "bwd":
+        return dict(res)
+    o, ht, grads = res
+    return dict(grads, o=o, ht=ht)
 
 
-# ---------------------------------------------------------------------------- output --
-def fmt(x, f="%.3f", none="-"):
-    return none if x is None else f % x
+def compare_outputs(pass_, firsts):
+    """Relative differences of flashqla's outputs from FlashQLA's on the row's first input set."""
+    if "flashqla" not in firsts or "flash_qla" not in firsts:
+        return {}
+    a, b = _outputs_of(pass_, firsts["flashqla"]), _outputs_of(pass_, firsts["flash_qla"])
+    out = {}
+    for n in a:
+        if a[n] is not None and b.get(n) is not None:
+            try:
+                out[n + "_rel_vs_flash_qla"] = rel_err(a[n], b[n])
+            except Exception as e:
+                out[n + "_rel_vs_flash_qla"] = None
+                out["error"] = short_err(e)
+    return out
 
 
 def check_summary(r):
     c = r.get("check") or {}
-    vals = [(k.replace("_rel_vs_fla", ""), v) for k, v in c.items() if k.endswith("_rel_vs_fla")]
+    vals = [(k.split("_rel_")[0], v) for k, v in c.items() if "_rel_vs_" in k]
     if not vals:
         return "-"
     worst_k, worst = max(vals, key=lambda kv: kv[1] if kv[1] is not None else float("inf"))
@@ -848,35 +1107,75 @@ def check_summary(r):
     return "%s max %s %.1e" % (flag, worst_k, worst if worst is not None else float("nan"))
 
 
+# ---------------------------------------------------------------------------- output --
+def fmt(x, f="%.3f", none="-"):
+    return none if x is None else f % x
+
+
 def graph_shape(r):
     R, n = r.get("rotate"), r.get("calls_per_graph")
     return "%dx%d" % (R, n // R) if (R and n) else ("%s" % R if R else "-")
 
 
-def print_table(rows):
-    log("\n%-28s %9s %8s %7s %9s %8s %7s %8s  %s" % (
-        "row", "fq ms", "TFLOP/s", "%floor", "FLA ms", "FLA/fq", "pub/fq", "sets x n", "check vs FLA / errors"))
+def ordered(rows):
+    return sorted(rows, key=lambda r: PASSES.index(r["pass"]) if r.get("pass") in PASSES else 9)
+
+
+def jit_table(rows):
+    """FlashQLA's first-call (JIT) times, apart from the timings."""
+    lines = ["", "=== first calls: FlashQLA JIT (compile included) / flashqla / FLA (Triton compile+autotune), s ==="]
+    tot, kern = 0.0, 0
     for r in rows:
-        err = "; ".join("%s: %s" % kv for kv in (r.get("errors") or {}).items())
-        log("%-28s %9s %8s %7s %9s %8s %7s %8s  %s%s" % (
+        if r.get("pass") == "decode":
+            continue
+        j, n = r.get("flash_qla_jit_s"), r.get("flash_qla_new_kernels")
+        tot += j or 0.0
+        kern += n or 0
+        lines.append("%-26s FlashQLA %7s s (%s new kernels)  flashqla %6s s  FLA %6s s" % (
+            row_label(r), fmt(j, "%.1f"), fmt(n, "%d"), fmt(r.get("flashqla_first_call_s"), "%.2f"),
+            fmt(r.get("fla_first_call_s"), "%.1f")))
+    lines.append("FlashQLA first calls in total: %.1f s, %d kernels compiled" % (tot, kern))
+    return "\n".join(lines)
+
+
+def detail_table(rows):
+    lines = ["", "%-26s %9s %8s %6s %8s  %s" % ("row", "fq ms", "TFLOP/s", "%floor", "sets x n",
+                                                 "check vs FlashQLA / errors")]
+    for r in ordered(rows):
+        err = "; ".join("%s: %s" % kv for kv in (r.get("errors") or {}).items()
+                        if not (r.get("pass") == "decode" and kv[0] == "flash_qla"))
+        lines.append("%-26s %9s %8s %6s %8s  %s%s" % (
             row_label(r), fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("tflops"), "%.1f"),
-            fmt(r.get("pct_floor"), "%.0f%%"), fmt(r.get("fla_ms"), "%.4f"), fmt(r.get("ratio"), "%.2f"),
-            fmt(r.get("flashqla_pub_over_ours"), "%.2f"), graph_shape(r), check_summary(r),
-            ("  [" + err[:200] + "]") if err else ""))
+            fmt(r.get("pct_floor"), "%.0f%%"), graph_shape(r), check_summary(r),
+            ("  [" + err[:240] + "]") if err else ""))
+    return "\n".join(lines)
 
 
-def ratio_table(rows):
-    lines = ["", "=== FLA / flashqla (>= 1.0 required by issue 3; pub/fq = FlashQLA published / flashqla) ==="]
-    for r in rows:
-        lines.append("%-28s fq %9s ms  FLA %9s ms  FLA/fq %6s  pub/fq %5s" % (
-            row_label(r), fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("fla_ms"), "%.4f"),
-            fmt(r.get("ratio"), "%.2f"), fmt(r.get("flashqla_pub_over_ours"), "%.2f")))
-    for p in ("fwd", "bwd", "decode"):
-        rs = [r["ratio"] for r in rows if r["pass"] == p and r.get("ratio") is not None]
-        n = sum(1 for r in rows if r["pass"] == p)
-        if n:
-            lines.append("%-6s rows %2d, measured %2d, min ratio %s, below 1.0: %d" % (
-                p, n, len(rs), fmt(min(rs) if rs else None, "%.2f"), sum(1 for x in rs if x < 1.0)))
+def final_table(rows):
+    """The table printed LAST: per row the three times, the two ratios, peak extra MiB."""
+    lines = ["", "=== flashqla vs FlashQLA 0.1.3 vs FLA 0.6.0 (ms; ratios > 1: flashqla faster; "
+                 "floor of issues 7/8: FlashQLA/fq >= %.2f) ===" % FLOOR_RATIO,
+             "%-26s %9s %9s %9s %8s %7s   %s" % ("row", "flashqla", "FlashQLA", "FLA", "FQLA/fq", "FLA/fq",
+                                              "peak extra MiB fq / FQLA / FLA")]
+    for r in ordered(rows):
+        pk = r.get("peak_extra_mib")
+        mem = ("%s / %s / %s" % tuple(fmt((pk or {}).get(lib), "%.0f") for lib in LIBS)) if pk else ""
+        ratio = r.get("flash_qla_over_flashqla")
+        flag = " <" if (ratio is not None and ratio < FLOOR_RATIO) else "  "
+        lines.append("%-26s %9s %9s %9s %8s%s%7s   %s" % (
+            row_label(r), fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("flash_qla_ms"), "%.4f"),
+            fmt(r.get("fla_ms"), "%.4f"), fmt(ratio, "%.2f"), flag, fmt(r.get("fla_over_flashqla"), "%.2f"), mem))
+    for p in PASSES:
+        ps = [r for r in rows if r.get("pass") == p]
+        if not ps:
+            continue
+        q = [r["flash_qla_over_flashqla"] for r in ps if r.get("flash_qla_over_flashqla") is not None]
+        f = [r["fla_over_flashqla"] for r in ps if r.get("fla_over_flashqla") is not None]
+        skipped = sum(1 for r in ps if (r.get("errors") or {}).get("skipped"))
+        lines.append("%-6s rows %2d (skipped %d): FlashQLA/fq measured %2d, min %s, below %.2f: %d | "
+                     "FLA/fq measured %2d, min %s" % (
+                         p, len(ps), skipped, len(q), fmt(min(q) if q else None, "%.2f"), FLOOR_RATIO,
+                         sum(1 for x in q if x < FLOOR_RATIO), len(f), fmt(min(f) if f else None, "%.2f")))
     return "\n".join(lines)
 
 
@@ -887,19 +1186,24 @@ def result_paths(out_dir, gpu_name, date, dry):
     return base + ".json", base + ".png"
 
 
-def finish(results, json_path, png_path, table_file, write=True):
+def finish(results, json_path, png_path, table_file, write=True, plot=True):
+    """Write the JSON, plot, copy to $OUT, print the tables; the final table LAST."""
+    for r in results.get("rows", []):
+        if "floor_ms" in r:
+            derive_metrics(r)
     if write:
         write_json_atomic(json_path, results)
         log("\nwrote", json_path)
-    try:
-        sys.path.insert(0, HERE)
-        import plot
-        plot.plot_results(json_path, png_path)
-        log("wrote", png_path)
-    except Exception as e:
-        log("plot failed:", short_err(e))
+    if plot:
+        try:
+            sys.path.insert(0, HERE)
+            import plot as plot_mod
+            plot_mod.plot_results(json_path, png_path)
+            log("wrote", png_path)
+        except Exception as e:
+            log("plot failed:", short_err(e))
     out = os.environ.get("OUT")
-    if out:
+    if out and write:
         try:
             os.makedirs(out, exist_ok=True)
             for p in (json_path, png_path):
@@ -908,8 +1212,11 @@ def finish(results, json_path, png_path, table_file, write=True):
             log("copied results to", out)
         except Exception as e:
             log("copy to $OUT failed:", short_err(e))
-    print_table(results["rows"])
-    table = ratio_table(results["rows"])
+    rows = results.get("rows", [])
+    print_reference_check(results.get("reference_check"))
+    log(detail_table(rows))
+    log(jit_table(rows))
+    table = final_table(rows)
     if table_file:
         try:
             with open(table_file, "w") as f:
@@ -919,43 +1226,201 @@ def finish(results, json_path, png_path, table_file, write=True):
     log(table)
 
 
+# ---------------------------------------------------------------------- FLA process --
+def run_fla_process(args, plan, budget_s):
+    """Time FLA on the planned rows in a child process with FLA_DISABLE_BACKEND_DISPATCH=1
+    (and FLA_FLASH_QLA=0, FLA_TILELANG=0) in its environment from the start. The child stops
+    starting rows after budget_s and is killed 20 s later. Returns the child's results dict
+    ({"rows": [...], ...}; partial if it ran out of time)."""
+    work = tempfile.mkdtemp(prefix="bench_gpu_fla_")
+    plan_file, json_path = os.path.join(work, "plan.json"), os.path.join(work, "fla.json")
+    with open(plan_file, "w") as f:
+        json.dump({"plan": [[p, spec_label(p, s)] for p, s in plan]}, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "fla", "--plan-file", plan_file,
+           "--worker-out", json_path, "--time-budget", "%.0f" % max(1, budget_s), "--rotate", str(args.rotate)]
+    if args.reps:
+        cmd += ["--reps", str(args.reps)]
+    if args.quick:
+        cmd.append("--quick")
+    if args.no_check:
+        cmd.append("--no-check")
+    if args.dry_run:
+        cmd.append("--dry-run")
+    if args.verbose:
+        cmd.append("--verbose")
+    env = dict(os.environ, **FLA_ENV)
+    log("\n== FLA in its own process (FLA_DISABLE_BACKEND_DISPATCH=1), budget %.0f s ==" % budget_s)
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=budget_s + 20)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "killed at %.0f s" % (budget_s + 20)
+    try:
+        with open(json_path) as f:
+            res = json.load(f)
+    except Exception as e:
+        res = {"rows": [], "error": "no results from the FLA process (rc %s): %s" % (rc, short_err(e))}
+    res["returncode"] = rc
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def merge_fla(results, fla_res):
+    """Copy the FLA process's per-row numbers into results' rows (matched by row label)."""
+    by_label = {r["label"]: r for r in fla_res.get("rows", []) if "label" in r}
+    for r in results["rows"]:
+        f = by_label.get(row_label(r))
+        if f is None:
+            if "fla" not in r["errors"]:
+                r["errors"]["fla"] = fla_res.get("error") or "not measured (FLA process ran out of time or failed)"
+            continue
+        for k, v in f.items():
+            if k.startswith("fla_"):           # fla_ms, fla_ms_min, fla_timing, fla_first_call_s, ...
+                r[k] = v
+        if r.get("peak_extra_mib") is not None and (f.get("peak_extra_mib") or {}).get("fla") is not None:
+            r["peak_extra_mib"]["fla"] = f["peak_extra_mib"]["fla"]
+        for k in ("fla", "fla_memory"):
+            if (f.get("errors") or {}).get(k):
+                r["errors"][k] = f["errors"][k]
+        derive_metrics(r)
+    results["fla_process"] = {k: fla_res.get(k) for k in ("returncode", "error", "dispatch_disabled",
+                                                          "env", "guard", "versions")}
+    results["versions"]["fla"] = (fla_res.get("versions") or {}).get("fla") or results["versions"].get("fla")
+    results["reference_check"] = merge_reference_checks(results.get("reference_check"),
+                                                        fla_res.get("reference_check"))
+
+
+def worker_main(args):
+    """The FLA process: FLA_DISABLE_BACKEND_DISPATCH=1 set before fla is imported."""
+    for k, v in FLA_ENV.items():
+        os.environ[k] = v
+    with open(args.plan_file) as f:
+        labels = [tuple(x) for x in json.load(f)["plan"]]
+    specs = {spec_label(p, s): (p, s) for p, s in plan_rows("all")}
+    plan = [specs[lab] for _, lab in labels if lab in specs]
+    budget = Budget(args.time_budget)
+    res = {"env": {k: os.environ.get(k) for k in FLA_ENV}, "rows": []}
+    if args.dry_run:
+        return dry_worker(args, plan, res)
+    try:
+        fla = Fla()
+    except Exception as e:
+        res["error"] = "FLA not importable: %s" % short_err(e)
+        write_json_atomic(args.worker_out, res)
+        log("[fla]", res["error"])
+        return 1
+    res["dispatch_disabled"] = fla.dispatch_disabled
+    res["versions"] = {"fla": fla.version}
+    res["guard"] = {"name": Fla.GUARD, "before": fla.guard_before}
+    log("[fla] FLA %s, dispatch disabled: %s, guard %s = %s before flipping" % (
+        fla.version, fla.dispatch_disabled, Fla.GUARD, fla.guard_before))
+    torch.manual_seed(0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        if not args.no_check and not args.fla_warmup_only:
+            fla.flip_guard()
+            try:
+                rc = reference_check({"fla": fla})
+                fla.grad_check_ok = rc.get("fla_ok")
+                res["reference_check"] = rc
+            except Exception as e:
+                res["reference_check"] = {"error": short_err(e)}
+            write_json_atomic(args.worker_out, res)
+        runner = Runner(args, {"fla": fla}, budget)
+        for pass_, spec in plan:
+            lab = spec_label(pass_, spec)
+            if budget.out():
+                log("[fla] %-26s skipped (time budget)" % lab)
+                res["rows"].append({"label": lab, "errors": {"fla": "skipped (time budget of FLA's process)"}})
+                continue
+            t0 = time.time()
+            try:
+                r = runner.run_row(pass_, spec, warmup_only=args.fla_warmup_only)
+            except Exception as e:
+                r = new_row(pass_, spec)
+                r["errors"]["fla"] = runner.note_error(e)
+            r["label"] = lab
+            r["fla_wall_s"] = round(time.time() - t0, 1)
+            res["rows"].append(r)
+            write_json_atomic(args.worker_out, res)
+            pk = (r.get("peak_extra_mib") or {}).get("fla")
+            log("[fla] %-26s %s ms  first call %s s  peak extra %s MiB  (%.1f s)%s" % (
+                lab, fmt(r.get("fla_ms"), "%.4f"), fmt(r.get("fla_first_call_s"), "%.1f"), fmt(pk, "%.0f"),
+                r["fla_wall_s"], ("  errors: %s" % r["errors"]) if r.get("errors") and
+                any(k != "flash_qla" for k in r["errors"]) else ""))
+            try:
+                torch.cuda.empty_cache()
+            except Exception:
+                pass
+    return 0
+
+
+def dry_worker(args, plan, res):
+    """Fake FLA rows (anchor times noise), through the same protocol."""
+    rng = random.Random(11)
+    res.update(dispatch_disabled=os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1",
+               versions={"fla": "dry-run"}, guard={"name": Fla.GUARD, "before": False})
+    res["reference_check"] = {"shape": "dry run", "tolerances": TOL, "first_call_s": {"fla": 0.0}, "cases": {
+        g: {"fla": {n: rng.uniform(1e-3, 6e-3) for n in TOL}, "fla_ok": True} for g in ("anchor", "strong")},
+        "fla_ok": True}
+    for pass_, spec in plan:
+        r = new_row(pass_, spec)
+        r["label"] = spec_label(pass_, spec)
+        a = r.get("anchor_ms") or {}
+        base = a.get("fla_ours") or a.get("fla_pub") or (r["floor_ms"] * 3.5)
+        r["fla_ms"] = base * rng.uniform(0.97, 1.03)
+        r["fla_first_call_s"] = round(rng.uniform(0.5, 30), 1)
+        if r.get("peak_extra_mib") is not None:
+            r["peak_extra_mib"]["fla"] = rng.uniform(100, 3000)
+        res["rows"].append(r)
+    write_json_atomic(args.worker_out, res)
+    return 0
+
+
 # --------------------------------------------------------------------------- dry run --
 def dry_run(args):
-    """Fake timings (anchors times noise) through the same JSON / table / plot code."""
+    """Fake timings through the same JSON / table / plot / FLA-process code (no GPU)."""
     rng = random.Random(7)
+    budget = Budget(args.time_budget)
     date = datetime.date.today().isoformat()
-    rows = []
-    for pass_, specs in (("fwd", FWD_ROWS), ("bwd", BWD_ROWS), ("decode", DECODE_ROWS)):
-        if args.rows not in ("all", pass_):
-            continue
-        for spec in specs:
-            if pass_ == "decode":
-                flops, nbytes = decode_cost(spec["H"], spec["HV"], spec["N"], spec["T"])
-                r = {"pass": "decode", "H": spec["H"], "HV": spec["HV"], "seqlens": [spec["T"]] * spec["N"],
-                     "N": spec["N"], "T": spec["T"], "anchor_ms": spec["anchor"]}
-                fla = spec["anchor"]["fla_ours"]
-            else:
-                geo = row_geometry(spec)
-                flops, nbytes = chunk_cost(pass_, spec["H"], spec["HV"], geo["tokens"], geo["N"])
-                r = {"pass": pass_, "H": spec["H"], "HV": spec["HV"], "seqlens": list(spec["seqlens"]),
-                     "layout": spec["layout"], "B": geo["B"], "N": geo["N"], "tokens": geo["tokens"],
-                     "anchor_ms": spec["anchor"]}
-                a = spec["anchor"]
-                fla = a["fla_ours"] or a["fla_pub"]
-            r.update(flop=flops, bytes=nbytes, floor_ms=floor_ms(flops, nbytes), rotate=1, errors={},
-                     fla_ms=fla * rng.uniform(0.97, 1.03), flashqla_ms=fla / rng.uniform(0.6, 4.0),
-                     check={"o_rel_vs_fla": rng.uniform(1e-3, 6e-3)}, fake=True)
-            if rng.random() < 0.1:          # exercise the null path
-                r["flashqla_ms"] = None
-                r["errors"]["flashqla"] = "RuntimeError: fake failure (dry run)"
-            derive_metrics(r)
-            rows.append(r)
-    results = {"gpu": "DRY RUN (fake numbers)", "date": date,
-               "versions": {"flashqla": None, "torch": getattr(torch, "__version__", None),
-                            "triton": None, "fla": None, "cuda": None, "driver": None},
-               "dry_run": True, "rows": rows}
+    plan = plan_rows(args.rows, args.max_rows)
+    results = {"gpu": "DRY RUN (fake numbers)", "driver": None, "date": date, "commit": source_commit(),
+               "versions": {"flashqla": None, "torch": getattr(torch, "__version__", None), "triton": None,
+                            "fla": None, "flash_qla": "0.1.3 (fake)", "tilelang": "0.1.15 (fake)",
+                            "cuda": None, "driver": None, "python": platform.python_version()},
+               "dry_run": True, "time_budget_s": args.time_budget, "rows": []}
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = result_paths(args.out, results["gpu"], date, True)
+    for i, (pass_, spec) in enumerate(plan):
+        r = new_row(pass_, spec)
+        if args.dry_skip_after and i >= args.dry_skip_after:      # exercises the time-budget path
+            r["errors"]["skipped"] = "time budget"
+            results["rows"].append(r)
+            continue
+        a = r.get("anchor_ms") or {}
+        fq = a.get("sbs_flashqla") or a.get("fla_ours") or a.get("fla_pub") or r["floor_ms"] * 4
+        r.update(flashqla_ms=fq * rng.uniform(0.3, 1.1), rotate=1, calls_per_graph=1, fake=True,
+                 flashqla_first_call_s=round(rng.uniform(0.0, 0.05), 3))
+        if pass_ != "decode":
+            fqla = a.get("sbs_flash_qla") or a.get("flashqla_pub") or fq * 0.5
+            r.update(flash_qla_ms=fqla * rng.uniform(0.95, 1.05), flash_qla_jit_s=round(rng.uniform(0, 40), 1),
+                     flash_qla_new_kernels=rng.randint(0, 6),
+                     check={"o_rel_vs_flash_qla": rng.uniform(1e-3, 6e-3)})
+            if r.get("peak_extra_mib") is not None:
+                r["peak_extra_mib"].update(flashqla=rng.uniform(100, 4000), flash_qla=rng.uniform(100, 2000))
+        if rng.random() < 0.1:          # exercise the null path
+            r["flashqla_ms"] = None
+            r["errors"]["flashqla"] = "RuntimeError: fake failure (dry run)"
+        derive_metrics(r)
+        results["rows"].append(r)
+        write_json_atomic(json_path, results)
+    results["reference_check"] = {"shape": "dry run", "tolerances": TOL, "reference": "none (dry run)",
+                                  "first_call_s": {}, "flashqla_ok": True, "flash_qla_ok": True, "cases": {
+        g: dict({lib: {n: rng.uniform(1e-3, 6e-3) for n in TOL} for lib in ("flashqla", "flash_qla")},
+                flashqla_ok=True, flash_qla_ok=True) for g in ("anchor", "strong")}}
+    if not args.no_fla:
+        fla_res = run_fla_process(args, plan, max(30.0, budget.left() if budget.seconds else 600.0))
+        merge_fla(results, fla_res)
     finish(results, json_path, png_path, args.table_file)
     return 0
 
@@ -964,28 +1429,43 @@ def dry_run(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", choices=("fwd", "bwd", "decode", "all"), default="all")
+    p.add_argument("--rows", default="all",
+                   help="passes to run: all, or a comma-separated subset of fwd, bwd, train, decode")
     p.add_argument("--quick", action="store_true", help="15 replays per timing instead of 50")
     p.add_argument("--reps", type=int, default=0, help="replays per timing (overrides --quick)")
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for JSON + PNG")
-    p.add_argument("--dry-run", action="store_true", help="fake timings; tests JSON/table/plot here")
+    p.add_argument("--dry-run", action="store_true", help="fake timings; tests JSON/table/plot/FLA process here")
+    p.add_argument("--dry-skip-after", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--rotate", default="auto", help="input sets per timed graph: auto or an integer")
     p.add_argument("--time-budget", type=float, default=0.0,
-                   help="seconds; rows that would start later are skipped (0: no limit)")
-    p.add_argument("--no-fla", action="store_true", help="flashqla only")
+                   help="seconds; rows that would start later are skipped, FLA's process gets what is "
+                        "left (0: no limit)")
+    p.add_argument("--fla-reserve", type=float, default=15.0,
+                   help="seconds kept for the final tables after FLA's process")
+    p.add_argument("--no-fla", action="store_true", help="no FLA process")
+    p.add_argument("--no-flash-qla", action="store_true", help="do not import or time FlashQLA")
     p.add_argument("--api", choices=("public", "c"), default="public",
-                   help="time flashqla through gdn_chunk_fwd/gdn_chunk_bwd/gdn_recurrent (public) or "
-                        "through flashqla._C with preallocated outputs and workspace (c)")
+                   help="flashqla through gdn_chunk/gdn_chunk_bwd/gdn_recurrent (public) or through "
+                        "flashqla._C with preallocated outputs and workspace (c)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference check")
     p.add_argument("--fla-warmup-only", action="store_true",
-                   help="run each FLA call once (Triton compile + autotune into the on-disk cache), no timing")
-    p.add_argument("--table-file", default=None, help="also write the ratio table to this file")
+                   help="FLA only (this process, dispatch disabled): each FLA call once (Triton compile "
+                        "+ autotune into the on-disk cache), no timing")
+    p.add_argument("--table-file", default=None, help="also write the final table to this file")
     p.add_argument("--path-file", default=None, help="write the results JSON's path to this file first")
     p.add_argument("--from-json", default=None, metavar="PATH",
                    help="no timing: re-plot and re-print the tables of an existing results JSON")
     p.add_argument("--max-rows", type=int, default=0, help="at most this many rows per pass (testing)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks")
-    return p.parse_args(argv)
+    p.add_argument("--worker", choices=("fla",), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--plan-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        plan_rows(args.rows)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv=None):
@@ -993,11 +1473,24 @@ def main(argv=None):
     if args.from_json:
         with open(args.from_json) as f:
             results = json.load(f)
-        for r in results.get("rows", []):
-            if "flop" in r and "ratio" not in r:
-                derive_metrics(r)
         finish(results, args.from_json, os.path.splitext(args.from_json)[0] + ".png", args.table_file, write=False)
         return 0
+    if args.fla_warmup_only:          # FLA's compile + autotune, this process being FLA's
+        for k, v in FLA_ENV.items():
+            os.environ[k] = v
+        plan = plan_rows(args.rows, args.max_rows)
+        args.plan_file = tempfile.mktemp(suffix=".json")
+        with open(args.plan_file, "w") as f:
+            json.dump({"plan": [[p, spec_label(p, s)] for p, s in plan]}, f)
+        args.worker_out = args.worker_out or tempfile.mktemp(suffix=".json")
+        args.no_check = True
+    if args.worker == "fla" or args.fla_warmup_only:
+        if args.dry_run:
+            return worker_main(args)
+        if torch is None or not torch.cuda.is_available():
+            log("[fla] no CUDA device visible to torch")
+            return 2
+        return worker_main(args)
     if args.dry_run:
         return dry_run(args)
     if torch is None or not torch.cuda.is_available():
@@ -1009,40 +1502,70 @@ def main(argv=None):
         return run(args)
 
 
-def blank_row(pass_, spec, errors):
-    """A row without timings (skipped, or failed before timing)."""
-    r = {"pass": pass_, "H": spec["H"], "HV": spec["HV"], "flashqla_ms": None, "fla_ms": None,
-         "errors": errors}
-    if pass_ == "decode":
-        r.update(seqlens=[spec["T"]] * spec["N"], N=spec["N"], T=spec["T"])
-    else:
-        r.update(seqlens=list(spec["seqlens"]), layout=spec["layout"])
-    return r
+def setup_libs(args):
+    """{name: adapter} for this process (flashqla, FlashQLA) and {name: error}."""
+    libs, errors = {}, {}
+    try:   # FlashQLA first in each row: its numbers survive if flashqla later breaks the context
+        if args.no_flash_qla:
+            raise RuntimeError("not loaded (--no-flash-qla)")
+        t0 = time.time()
+        libs["flash_qla"] = FlashQla()
+        log("FlashQLA %s (TileLang %s) imported in %.1f s; TILELANG_CACHE_DIR %s holds %d kernels" % (
+            libs["flash_qla"].version, libs["flash_qla"].tilelang_version, time.time() - t0,
+            libs["flash_qla"].cache_dir, len(libs["flash_qla"].cache_entries())))
+    except Exception as e:
+        errors["flash_qla"] = short_err(e)
+        log("FlashQLA not usable:", errors["flash_qla"])
+    try:
+        fq = Flashqla(args.api)
+        if not fq.cuda_built:
+            raise RuntimeError("flashqla was built without CUDA (_C.cuda_built() is False)")
+        libs["flashqla"] = fq
+    except Exception as e:
+        errors["flashqla"] = short_err(e)
+        log("flashqla not usable:", errors["flashqla"])
+    return libs, errors
 
 
 def run(args):
+    budget = Budget(args.time_budget)
     date = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name()
-    b = Bench(args)
-    log("bench_gpu: %s, torch %s, CUDA %s, replays %d" % (gpu, torch.__version__, torch.version.cuda, b.reps))
-    b.setup()
-    triton_v = None
+    reps = args.reps if args.reps else (15 if args.quick else 50)
+    log("bench_gpu: %s, torch %s, CUDA %s, replays %d, time budget %s" % (
+        gpu, torch.__version__, torch.version.cuda, reps, ("%.0f s" % args.time_budget) if args.time_budget else "none"))
+    libs, lib_errors = setup_libs(args)
     try:
         import triton
         triton_v = triton.__version__
     except Exception:
-        pass
-    results = {"gpu": gpu, "date": date,
-               "versions": {"flashqla": b.fq.version if b.fq else None, "torch": torch.__version__,
-                            "triton": triton_v, "fla": b.fla.version if b.fla else None,
-                            "cuda": torch.version.cuda, "driver": nvidia_driver()},
+        triton_v = None
+    fq, fqla = libs.get("flashqla"), libs.get("flash_qla")
+    results = {"gpu": gpu, "driver": nvidia_driver(), "date": date, "commit": source_commit(),
+               "versions": {"flashqla": fq.version if fq else module_version("flashqla"),
+                            "torch": torch.__version__, "triton": triton_v, "fla": module_version("fla-core"),
+                            "flash_qla": fqla.version if fqla else module_version("flash-qla"),
+                            "tilelang": fqla.tilelang_version if fqla else module_version("tilelang"),
+                            "cuda": torch.version.cuda, "driver": None, "python": platform.python_version()},
                "method": ("CUDA-graph replays between CUDA events, median of %d after warm-up, per call; "
                           "R input sets per graph when data < 4x L2 (row key 'rotate'), each repeated so "
-                          "a replay holds >= 0.1 ms of floor-estimated work (key 'calls_per_graph')" % b.reps),
-               "fla_backward": ("fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_bwd given "
-                                "chunk_gated_delta_rule_fwd's (g_cumsum, A); guard %s flipped" % Fla.GUARD),
-               "flashqla_api": (b.fq.api if b.fq else None),
-               "flashqla_error": b.fq_error, "fla_error": b.fla_error, "rows": []}
+                          "a replay holds >= 0.1 ms of floor-estimated work (key 'calls_per_graph'); "
+                          "peak_extra_mib: one warm eager call, max_memory_allocated above the inputs and "
+                          "the call's outputs" % reps),
+               "calls": {"flashqla": ("gdn_chunk (no_grad) | gdn_chunk_fwd + gdn_chunk_bwd | gdn_chunk + "
+                                      "autograd.grad | gdn_recurrent" if args.api == "public" else
+                                      "flashqla._C chunk_fwd | chunk_bwd | (train: gdn_chunk + autograd.grad) | recurrent"),
+                         "flash_qla": ("chunk_gated_delta_rule (no_grad) | chunk_gated_delta_rule_bwd given the "
+                                       "autograd forward's saved tensors, cp_context, cp_cache | "
+                                       "chunk_gated_delta_rule + autograd.grad"),
+                         "fla": ("chunk_gated_delta_rule (no_grad) | chunk.chunk_gated_delta_rule_bwd given "
+                                 "chunk_gated_delta_rule_fwd's (g_cumsum, A), guard %s flipped | "
+                                 "chunk_gated_delta_rule + autograd.grad | fused_recurrent_gated_delta_rule; "
+                                 "own process, FLA_DISABLE_BACKEND_DISPATCH=1" % Fla.GUARD)},
+               "tilelang_cache_dir": fqla.cache_dir if fqla else os.environ.get("TILELANG_CACHE_DIR"),
+               "flashqla_api": args.api, "lib_errors": lib_errors, "time_budget_s": args.time_budget,
+               "rows": []}
+    results["versions"]["driver"] = results["driver"]
     os.makedirs(args.out, exist_ok=True)
     json_path, png_path = result_paths(args.out, gpu, date, False)
     if args.path_file:                      # tells gpu_check.sh where a partial JSON is
@@ -1051,72 +1574,65 @@ def run(args):
                 f.write(json_path + "\n")
         except Exception as e:
             log("path file:", short_err(e))
+    plan = plan_rows(args.rows, args.max_rows)
+    runner = Runner(args, libs, budget)
 
-    plan = []
-    for pass_, specs in (("fwd", FWD_ROWS), ("bwd", BWD_ROWS), ("decode", DECODE_ROWS)):
-        if args.rows in ("all", pass_):
-            plan += [(pass_, s) for s in (specs[: args.max_rows] if args.max_rows else specs)]
-
-    if args.fla_warmup_only:
-        if b.fla is None:
-            log("FLA not available: nothing to warm up")
-            return 1
-        b.fla.flip_guard()
-        for pass_, spec in plan:
-            t0 = time.time()
-            try:
-                r = b.run_decode_row(spec, True) if pass_ == "decode" else b.run_chunk_row(pass_, spec, True)
-                log("warm-up %-28s %6.1f s %s" % (row_label(r), time.time() - t0, r["errors"] or ""))
-            except Exception as e:
-                log("warm-up %s failed: %s" % (pass_, short_err(e)))
-            torch.cuda.empty_cache()
-        return 0
-
-    if not args.no_check and (b.fq is not None or b.fla is not None):
+    if not args.no_check and libs:
         t0 = time.time()
         try:
-            rc = reference_check(b.fq if (b.fq and b.fq.cuda_built) else None, b.fla)
-            if b.fla is not None:
-                b.fla.grad_check_ok = rc.get("fla_ok")
+            runner.set_compile_timeout()
+            rc = reference_check(libs)
             results["reference_check"] = rc
             print_reference_check(rc)
-            if b.fla is not None and rc.get("fla_ok") is False:
-                log("WARNING: FLA's gradients miss DESIGN §3's tolerances here (see the table; the "
-                    "Triton miscompile of FLA #640 shows as errors of order 1): its backward rows are "
-                    "timed but marked fla_grad_check_ok = false")
+            log("reference check took %.1f s (first calls: %s)" % (time.time() - t0, rc.get("first_call_s")))
         except Exception as e:
-            results["reference_check"] = {"error": b.note_error(e)}
+            results["reference_check"] = {"error": runner.note_error(e)}
             log("reference check failed:", short_err(e))
             if args.verbose:
                 traceback.print_exc()
-        log("reference check took %.1f s" % (time.time() - t0))
+        write_json_atomic(json_path, results)
 
     for pass_, spec in plan:
-        label = row_label(dict(spec, **{"pass": pass_}))
-        if b.out_of_time():
-            results["rows"].append(blank_row(pass_, spec, {"skipped": "time budget"}))
-            log("%-28s skipped (time budget %.0f s)" % (label, args.time_budget))
+        label = spec_label(pass_, spec)
+        if budget.out():
+            r = new_row(pass_, spec)
+            r["errors"]["skipped"] = "time budget"
+            results["rows"].append(r)
+            log("%-26s skipped (time budget %.0f s)" % (label, args.time_budget))
             continue
         t0 = time.time()
         try:
-            r = b.run_decode_row(spec) if pass_ == "decode" else b.run_chunk_row(pass_, spec)
+            r = runner.run_row(pass_, spec)
         except Exception as e:   # input construction, OOM, ...
-            r = blank_row(pass_, spec, {"row": b.note_error(e)})
+            r = new_row(pass_, spec)
+            r["errors"]["row"] = runner.note_error(e)
             if args.verbose:
                 traceback.print_exc()
         r["wall_s"] = round(time.time() - t0, 1)
+        for name, err in lib_errors.items():           # why a library has no number here
+            r["errors"].setdefault(name, err)
         results["rows"].append(r)
         write_json_atomic(json_path, results)          # partial results survive a kill
-        log("%-28s fq %s ms  FLA %s ms (%sx ANCHORS)  ratio %s  %%floor %s  [%s]  (%.1f s)%s" % (
-            label, fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("fla_ms"), "%.4f"), fmt(r.get("fla_vs_anchor"), "%.2f"),
-            fmt(r.get("ratio"), "%.2f"), fmt(r.get("pct_floor"), "%.0f"),
-            check_summary(r) if "check" in r else "-", r["wall_s"],
-            ("  errors: %s" % r["errors"]) if r.get("errors") else ""))
-        try:
-            torch.cuda.empty_cache()
-        except Exception:
-            pass
-
+        pk = r.get("peak_extra_mib") or {}
+        errs = {k: v for k, v in r["errors"].items() if not (pass_ == "decode" and k == "flash_qla")}
+        log("%-26s fq %s ms  FlashQLA %s ms (x%s)  JIT %s s/%s kernels  peak MiB fq %s FQLA %s  [%s]  (%.1f s)%s" % (
+            label, fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("flash_qla_ms"), "%.4f"),
+            fmt(r.get("flash_qla_over_flashqla"), "%.2f"), fmt(r.get("flash_qla_jit_s"), "%.1f"),
+            fmt(r.get("flash_qla_new_kernels"), "%d"), fmt(pk.get("flashqla"), "%.0f"),
+            fmt(pk.get("flash_qla"), "%.0f"), check_summary(r), r["wall_s"],
+            ("  errors: %s" % errs) if errs else ""))
+    try:
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+    if not args.no_fla:
+        left = budget.left() - args.fla_reserve if budget.seconds else 3600.0
+        if left < 20:
+            for r in results["rows"]:
+                r["errors"].setdefault("fla", "not measured: no time left for FLA's process")
+            results["fla_process"] = {"error": "skipped: %.0f s left" % (left + args.fla_reserve)}
+        else:
+            merge_fla(results, run_fla_process(args, plan, left))
     finish(results, json_path, png_path, args.table_file)
     return 0
 

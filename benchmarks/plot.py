@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Bar chart of FLA / flashqla time ratios from a bench_gpu.py results JSON.
+"""Bar chart of the time ratios in a bench_gpu.py results JSON.
 
     python3 benchmarks/plot.py benchmarks/results/h200_<date>.json [--out file.png]
 
-One bar per row (forward, backward, decode in three colours), height = FLA ms / flashqla ms
-(above 1.0: flashqla is faster), a line at 1.0; where ANCHORS.md has a published FlashQLA
-time, a black diamond marks FlashQLA-published / flashqla (above 1.0: faster than FlashQLA's
-own published figure). Rows without a ratio show "n/a". Saved next to the JSON by default.
+One bar per row (forward, backward alone, training step, decode in four colours), height =
+FlashQLA ms / flashqla ms (above 1.0: flashqla is faster; the dashed line at 1.15 is the floor of
+issues 7 and 8); a black dot marks FLA ms / flashqla ms. Rows without a FlashQLA ratio show
+"n/a" (decode: FlashQLA has none). Older results files (FLA only, key "ratio") plot their FLA
+ratio as the dot. Saved next to the JSON by default.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import json
 import os
 import sys
 
-COLORS = {"fwd": "#1f77b4", "bwd": "#d62728", "decode": "#2ca02c"}
+COLORS = {"fwd": "#1f77b4", "bwd": "#d62728", "train": "#9467bd", "decode": "#2ca02c"}
+NAMES = {"fwd": "forward", "bwd": "backward (alone)", "train": "training step", "decode": "decode step"}
+FLOOR = 1.15
 
 
 def _label(r):
@@ -31,11 +34,9 @@ def _label(r):
     return "%s %s/%s %s" % (r.get("pass"), r.get("H"), r.get("HV"), seq)
 
 
-def _ratio(r):
-    x = r.get("ratio")
-    if x is None and r.get("flashqla_ms") and r.get("fla_ms"):
-        x = r["fla_ms"] / r["flashqla_ms"]
-    return x
+def _ratio(r, key):
+    fq, other = r.get("flashqla_ms"), r.get(key)
+    return other / fq if (fq and other) else None
 
 
 def plot_results(json_path, png_path=None):
@@ -51,40 +52,34 @@ def plot_results(json_path, png_path=None):
     if png_path is None:
         png_path = os.path.splitext(json_path)[0] + ".png"
     labels = [_label(r) for r in rows]
-    ratios = [_ratio(r) for r in rows]
-    pub = []
-    for r in rows:
-        a = (r.get("anchor_ms") or {}).get("flashqla_pub")
-        pub.append(a / r["flashqla_ms"] if (a and r.get("flashqla_ms")) else None)
-
+    bars = [_ratio(r, "flash_qla_ms") for r in rows]
+    dots = [_ratio(r, "fla_ms") for r in rows]
     n = max(len(rows), 1)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * n + 2), 5.5))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.45 * n + 2), 5.5))
     xs = list(range(len(rows)))
-    top = max([x for x in ratios + pub if x is not None] + [1.2])
-    for x, r, v in zip(xs, rows, ratios):
-        color = COLORS.get(r.get("pass"), "gray")
+    top = max([x for x in bars + dots if x is not None] + [1.3])
+    for x, r, v in zip(xs, rows, bars):
         if v is None:
             ax.text(x, 0.05 * top, "n/a", ha="center", va="bottom", rotation=90, fontsize=8, color="gray")
             continue
-        ax.bar(x, v, color=color, width=0.7)
+        ax.bar(x, v, color=COLORS.get(r.get("pass"), "gray"), width=0.7)
         ax.text(x, v, "%.2f" % v, ha="center", va="bottom", fontsize=7)
-    px = [x for x, p in zip(xs, pub) if p is not None]
-    py = [p for p in pub if p is not None]
+    px = [x for x, d in zip(xs, dots) if d is not None]
     if px:
-        ax.scatter(px, py, marker="D", color="black", s=18, zorder=3,
-                   label="FlashQLA published / flashqla")
-    ax.axhline(1.0, color="black", linewidth=1.0, linestyle="--")
-    handles = [Patch(color=c, label={"fwd": "forward", "bwd": "backward (alone)",
-                                     "decode": "decode step"}[p] + ": FLA / flashqla")
+        ax.scatter(px, [d for d in dots if d is not None], marker="o", color="black", s=14, zorder=3,
+                   label="FLA / flashqla")
+    ax.axhline(1.0, color="black", linewidth=1.0)
+    ax.axhline(FLOOR, color="black", linewidth=0.8, linestyle="--", label="floor %.2f (issues 7, 8)" % FLOOR)
+    handles = [Patch(color=c, label=NAMES[p] + ": FlashQLA / flashqla")
                for p, c in COLORS.items() if any(r.get("pass") == p for r in rows)]
     ax.set_xticks(xs)
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("time ratio (> 1: flashqla faster)")
     ax.set_ylim(0, top * 1.15)
     v = res.get("versions") or {}
-    ax.set_title("%s, %s: flashqla %s vs FLA %s (torch %s, triton %s)" % (
-        res.get("gpu"), res.get("date"), v.get("flashqla"), v.get("fla"), v.get("torch"), v.get("triton")),
-        fontsize=9)
+    ax.set_title("%s, %s, commit %s: flashqla %s vs FlashQLA %s vs FLA %s (torch %s)" % (
+        res.get("gpu"), res.get("date"), res.get("commit"), v.get("flashqla"), v.get("flash_qla"),
+        v.get("fla"), v.get("torch")), fontsize=9)
     h, _ = ax.get_legend_handles_labels()
     ax.legend(handles=handles + h, fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -94,7 +89,7 @@ def plot_results(json_path, png_path=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="plot FLA/flashqla ratios from a results JSON")
+    p = argparse.ArgumentParser(description="plot FlashQLA/flashqla and FLA/flashqla ratios from a results JSON")
     p.add_argument("json")
     p.add_argument("--out", default=None, help="PNG path (default: next to the JSON)")
     a = p.parse_args(argv)

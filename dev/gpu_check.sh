@@ -1,21 +1,43 @@
 #!/usr/bin/env bash
 # dev/gpu_check.sh: THE script run on the GPU machine (H200). It builds flashqla with its
 # CUDA backend, runs the GPU tests, compute-sanitizer (memcheck, racecheck) on a tiny run,
-# then the side-by-side benchmark against FLA, and prints a short ratio table LAST.
+# then the side-by-side benchmark (flashqla, FlashQLA 0.1.3, FLA 0.6.0), and prints the
+# benchmark's final table LAST.
+#
+# The device call (the run tool), composed in the repository root here:
+#   command: FQ_COMMIT=<git rev-parse --short HEAD> bash dev/gpu_check.sh [options]
+#   carry:   [".peers", ".tcache"]     (each only if present; both are ignored paths)
+#   e.g. forward rows only, no tests:  FQ_COMMIT=abc1234 FQ_BENCH_ARGS="--rows fwd" bash dev/gpu_check.sh --no-tests --no-sanitizer
+#        everything:                   FQ_COMMIT=abc1234 bash dev/gpu_check.sh
+# Before the first call, here: bash ../shared/tools/peer_wheels.sh (-> .peers/site.tar.xz, ~39 MB)
+# and benchmarks/prebuild_flashqla_cache.py (-> .peers/flashqla_cache.tar.xz, ~2 MB, see its
+# header). Carry limit 64 MiB in all: site 39 MB + FlashQLA cache ~2 MB + .tcache <= 15 MB fits.
 #
 #   bash dev/gpu_check.sh [--quick] [--no-bench] [--no-tests] [--no-sanitizer] [--all-tests]
 #
 #   --quick         fewer timing replays, racecheck on the quick case set
 #   --all-tests     the whole test suite instead of the tests marked gpu
 # Environment: OUT (default /tmp/out) receives build.log, pytest_gpu.log, sanitizer.log,
-# bench.log, the results JSON + PNG and triton_cache.txz (7 files; the device tool returns 8
-# at most). FQ_TOTAL_BUDGET (s, default 540) bounds the whole run: each stage gets what is
-# left minus a reserve for the later ones, the benchmark skips rows it has no time for.
-# FQ_BENCH_ARGS adds arguments to bench_gpu.py (e.g. "--rows fwd"). FQ_PRE_CMD: a dev command
-# run after the build, before the tests (output in $OUT/pre.log).
+# bench.log, the results JSON + PNG, triton_cache.txz and flashqla_cache.tar.xz (8 files, the
+# device tool returns 8 at most; with FQ_PRE_CMD's pre.log the PNG is left out: plot.py
+# redraws it from the JSON). FQ_TOTAL_BUDGET (s, default 540) bounds the whole run: each stage
+# gets what is left minus a reserve for the later ones, the benchmark skips rows it has no
+# time for and gives FLA's process what is left. FQ_BENCH_ARGS adds arguments to bench_gpu.py
+# (e.g. "--rows fwd", "--rows fwd,train", "--no-fla"). FQ_PRE_CMD: a dev command run after the
+# build, before the tests (output in $OUT/pre.log). FQ_COMMIT: the commit recorded in the
+# results JSON (the device copy has no .git).
 #
 # Carried inputs (ignored paths named in the device call's `carry`):
-#   .whl/    FLA's wheel (fla_core-0.6.0-py3-none-any.whl); installed into /tmp/site
+#   .peers/site.tar.xz   FLA 0.6.0, FlashQLA 0.1.3, TileLang 0.1.15 and their dependencies
+#                        (../shared/tools/peer_wheels.sh); unpacked into /tmp/peers, which goes
+#                        on PYTHONPATH: FlashQLA is timed in bench_gpu.py's process, FLA in a
+#                        child process started with FLA_DISABLE_BACKEND_DISPATCH=1
+#   .peers/flashqla_cache.tar.xz  FlashQLA's compiled kernels (TileLang cache entries), from
+#                        benchmarks/prebuild_flashqla_cache.py or from an earlier run's $OUT;
+#                        unpacked into TILELANG_CACHE_DIR (default /tmp/tilelang_cache). When the
+#                        run compiles new kernels, the whole cache comes back as
+#                        $OUT/flashqla_cache.tar.xz: copy it to .peers/ for the next call
+#   .whl/    (older way, used only without .peers/site.tar.xz) FLA's wheel, into /tmp/site
 #   .tcache/ triton_cache.txz (or .tgz) from an earlier run's $OUT: FLA's compiled kernels
 #            and/or autotune picks, which saves minutes of FLA compilation and autotuning
 # Each stage's failure is reported and the next stage still runs, except after a failed build.
@@ -33,7 +55,7 @@ for a in "$@"; do
         --no-tests) TESTS=0 ;;
         --no-sanitizer) SAN=0 ;;
         --all-tests) ALLTESTS=1 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown option $a"; exit 2 ;;
     esac
 done
@@ -80,6 +102,50 @@ save_triton_cache() {
         echo "Triton cache not saved ($sz bytes)"
     fi
 }
+# untar_xz FILE DIR: tar's xz, or Python's lzma where the image has no xz.
+untar_xz() {
+    if command -v xz > /dev/null 2>&1; then tar -xJf "$1" -C "$2"; else
+        python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$1" "$2"; fi
+}
+# FlashQLA's TileLang cache goes back in $OUT when this run compiled kernels into it.
+save_flashqla_cache() {
+    local dir=${TILELANG_CACHE_DIR:-/nonexistent} n sz
+    [ -d "$dir" ] || return 0
+    n=$(find "$dir" -mindepth 4 -maxdepth 4 -path '*/kernels/*' -type d 2>/dev/null | wc -l)
+    if [ "$n" -le "${FQLA_CACHE_N0:-0}" ]; then
+        echo "FlashQLA cache: $n kernels, none compiled in this run (nothing returned)"; return 0
+    fi
+    rm -f /tmp/flashqla_cache.tar.xz
+    if command -v xz > /dev/null 2>&1; then
+        (cd "$dir" && find . -mindepth 4 -maxdepth 4 -path '*/kernels/*' -type d -print0 | \
+            tar cf - --null -T - | xz -T0 -6 > /tmp/flashqla_cache.tar.xz) 2>/dev/null
+    else
+        (cd "$dir" && python3 -c "
+import glob, tarfile
+with tarfile.open('/tmp/flashqla_cache.tar.xz', 'w:xz', preset=6) as tar:
+    for d in sorted(glob.glob('*/*/kernels/*')):
+        tar.add(d)") 2>/dev/null
+    fi
+    sz=$(stat -c %s /tmp/flashqla_cache.tar.xz 2>/dev/null || echo 0)
+    if [ "$sz" -gt 0 ] && [ "$sz" -lt 16000000 ]; then
+        cp /tmp/flashqla_cache.tar.xz "$OUT/" && echo "FlashQLA cache saved: \$OUT/flashqla_cache.tar.xz," \
+            "$n kernels ($(( n - ${FQLA_CACHE_N0:-0} )) new), $sz bytes (carry it next time as .peers/flashqla_cache.tar.xz)"
+    else
+        echo "FlashQLA cache not saved ($sz bytes, $n kernels)"
+    fi
+}
+# The device tool returns 8 files at most: leave out what can be remade here.
+trim_out() {
+    local n
+    n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+    if [ "$n" -gt 8 ]; then
+        for f in "$OUT"/*.png; do [ -f "$f" ] && rm -f "$f" && echo "left out $(basename "$f") (8 files at most; redraw: python3 benchmarks/plot.py JSON)"; done
+    fi
+    n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+    if [ "$n" -gt 8 ] && [ -f "$OUT/pre.log" ]; then
+        { echo; echo "=== pre.log ==="; cat "$OUT/pre.log"; } >> "$OUT/build.log" && rm -f "$OUT/pre.log" && echo "pre.log appended to build.log"
+    fi
+}
 final_print() {
     stop_warmup
     if [ -f /tmp/fla_warmup.log ] && [ -f "$OUT/bench.log" ]; then
@@ -88,6 +154,8 @@ final_print() {
         cp /tmp/fla_warmup.log "$OUT/bench.log"
     fi
     save_triton_cache
+    save_flashqla_cache
+    trim_out
     echo; echo "=== stages (total $(el) s of budget $TOTAL s) ==="; printf '%s' "$SUMMARY"
     if [ -s /tmp/fq_ratio_table.txt ]; then cat /tmp/fq_ratio_table.txt; fi
 }
@@ -112,8 +180,18 @@ except Exception as e:
 EOF
 nvcc --version 2>&1 | tail -n 2 || echo "nvcc not found"
 rm -f /tmp/fq_ratio_table.txt /tmp/fq_results_path.txt /tmp/fla_warmup.log
-# FLA travels as a wheel; only non-framework wheels go into /tmp/site (never shadow torch/triton).
-if compgen -G ".whl/*.whl" > /dev/null; then
+# FLA, FlashQLA and TileLang travel as one tarball (../shared/tools/peer_wheels.sh), unpacked
+# into /tmp/peers (put on PYTHONPATH); without it, FLA's wheel alone from .whl/ as before.
+if [ -f .peers/site.tar.xz ]; then
+    rm -rf /tmp/peers && mkdir -p /tmp/peers
+    if untar_xz .peers/site.tar.xz /tmp/peers; then
+        export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
+        echo "unpacked .peers/site.tar.xz into /tmp/peers ($(du -sm /tmp/peers | cut -f1) MB)"
+    else
+        echo "unpacking .peers/site.tar.xz failed: FlashQLA and FLA columns will be empty"
+    fi
+elif compgen -G ".whl/*.whl" > /dev/null; then
+    # only non-framework wheels go into /tmp/site (never shadow torch/triton)
     WHEELS=()
     for w in .whl/*.whl; do
         case "$(basename "$w")" in
@@ -129,9 +207,17 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         echo "wheel install failed: FLA columns will be empty"
     fi
 else
-    echo "no .whl/ carried: FLA columns will be empty"
+    echo "no .peers/site.tar.xz (nor .whl/) carried: FlashQLA and FLA columns will be empty"
 fi
-python3 -c "import fla; print('fla', fla.__version__, fla.__file__)" 2>&1 | grep -v Warning | tail -n 2
+(cd /tmp && FLA_DISABLE_BACKEND_DISPATCH=1 python3 -c "import fla; print('fla', fla.__version__, fla.__file__)") 2>&1 | grep -v Warning | tail -n 2
+python3 -c "import importlib.metadata as m; print('flash-qla', m.version('flash-qla'), '| tilelang', m.version('tilelang'))" 2>&1 | tail -n 1
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang_cache}
+mkdir -p "$TILELANG_CACHE_DIR"
+if [ -f .peers/flashqla_cache.tar.xz ]; then
+    untar_xz .peers/flashqla_cache.tar.xz "$TILELANG_CACHE_DIR" && echo "restored FlashQLA's kernel cache from .peers/flashqla_cache.tar.xz"
+fi
+FQLA_CACHE_N0=$(find "$TILELANG_CACHE_DIR" -mindepth 4 -maxdepth 4 -path '*/kernels/*' -type d 2>/dev/null | wc -l)
+echo "TILELANG_CACHE_DIR=$TILELANG_CACHE_DIR holds $FQLA_CACHE_N0 compiled FlashQLA kernels"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 for f in .tcache/triton_cache.txz .tcache/triton_cache.tgz; do
@@ -144,11 +230,15 @@ command -v compute-sanitizer > /dev/null 2>&1 && echo "compute-sanitizer: $(comm
 stage_end "ok"
 
 # FLA's Triton compile + autotune runs on the GPU while the build uses the CPUs (stopped
-# before the tests start, so that nothing else runs on the GPU while it autotunes).
-if [ "$BENCH" = 1 ] && python3 -c "import fla" > /dev/null 2>&1; then
-    python3 benchmarks/bench_gpu.py --fla-warmup-only > /tmp/fla_warmup.log 2>&1 &
+# before the tests start, so that nothing else runs on the GPU while it autotunes), for the
+# passes the benchmark will run (FQ_BENCH_ARGS's --rows); FLA_DISABLE_BACKEND_DISPATCH=1.
+case " ${FQ_BENCH_ARGS:-} " in *" --no-fla "*) FLA_WARM=0 ;; *) FLA_WARM=1 ;; esac
+if [ "$BENCH" = 1 ] && [ "$FLA_WARM" = 1 ] && FLA_DISABLE_BACKEND_DISPATCH=1 python3 -c "import fla" > /dev/null 2>&1; then
+    WROWS=$(echo " ${FQ_BENCH_ARGS:-} " | sed -n 's/.* --rows[ =]\([^ ]*\) .*/\1/p')
+    FLA_DISABLE_BACKEND_DISPATCH=1 python3 benchmarks/bench_gpu.py --fla-warmup-only --rows "${WROWS:-all}" \
+        > /tmp/fla_warmup.log 2>&1 &
     WARM_PID=$!
-    echo "FLA warm-up started in the background (pid $WARM_PID)"
+    echo "FLA warm-up (rows ${WROWS:-all}) started in the background (pid $WARM_PID)"
 fi
 
 # ------------------------------------------------------------------------ build --
@@ -254,9 +344,10 @@ if [ "$BENCH" = 1 ]; then
         stage_end "skipped (no time left: $(left) s)"
     else
         QA=(); [ "$QUICK" = 1 ] && QA=(--quick)
+        # rows start until BC - 45 s; FLA's process gets what is left of that minus 15 s
         # shellcheck disable=SC2086
         timeout "$BC" python3 benchmarks/bench_gpu.py --rows all "${QA[@]}" --out benchmarks/results \
-            --time-budget $(( BC - 50 )) --table-file /tmp/fq_ratio_table.txt --path-file /tmp/fq_results_path.txt \
+            --time-budget $(( BC - 45 )) --table-file /tmp/fq_ratio_table.txt --path-file /tmp/fq_results_path.txt \
             ${FQ_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
         rc=$?
         if [ ! -s /tmp/fq_ratio_table.txt ] && [ -s /tmp/fq_results_path.txt ]; then
