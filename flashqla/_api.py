@@ -19,7 +19,7 @@ Layers: this module picks the framework front-end (_torch.py for autograd,
 jax.py for JAX) and both call down into _prepared.py, which calls _C.
 """
 
-from ._frameworks import JAX, TORCH, common_framework
+from ._frameworks import JAX, TORCH, check_float_dtypes, common_framework, public_arrays
 from . import _prepared
 from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, prepare_inputs,
                         recurrent_prepared, resolve_scale)
@@ -52,6 +52,9 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     gradients flow to q, k, v, g, beta and initial_state, and torch.compile
     (fullgraph=True), torch.func.grad and CUDA graphs work; with JAX arrays,
     jax.grad works (flashqla.jax.gdn_chunk, a jax.custom_vjp)."""
+    q, k, v, g, beta, initial_state, cu_seqlens = public_arrays(
+        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+         ("cu_seqlens", cu_seqlens)], required=("q", "k", "v", "g", "beta"))
     fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                            ("initial_state", initial_state)])
     if fw is JAX:  # an XLA custom call, with jax.custom_vjp
@@ -75,6 +78,9 @@ def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
     [N, HV, K, V] is None unless output_final_state; ctx goes to
     gdn_chunk_bwd. Works for every framework (JAX: flashqla.jax's custom
     calls)."""
+    q, k, v, g, beta, initial_state, cu_seqlens = public_arrays(
+        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+         ("cu_seqlens", cu_seqlens)], required=("q", "k", "v", "g", "beta"))
     fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state)])
     impl = _jax_front() if fw is JAX else _prepared
     return impl.gdn_chunk_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -108,6 +114,10 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
     sequence is skipped, its o rows are 0). Returns o [B, T, HV, V]. No
     gradients. PyTorch: torch.ops.flashqla.recurrent (torch.compile and CUDA
     graphs work). JAX arrays are immutable: use flashqla.jax.gdn_recurrent."""
+    q, k, v, g, beta, state, state_indices, cu_seqlens = public_arrays(
+        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state),
+         ("state_indices", state_indices), ("cu_seqlens", cu_seqlens)],
+        required=("q", "k", "v", "g", "beta", "state"))
     fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                            ("state", state)])
     if fw is JAX:
@@ -118,6 +128,7 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
                                     scale=scale, cu_seqlens=cu_seqlens,
                                     use_qk_l2norm=use_qk_l2norm)
     check_ndim(state, "state", 4, "[P, HV, K, V]")
+    check_float_dtypes(fw, [("state", state)])
     fw, q, k, v, g, beta, _, cu = prepare_inputs(q, k, v, g, beta, None, cu_seqlens)
     idx = None
     if state_indices is not None:
@@ -161,8 +172,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
             default = _FLA_DEFAULT_ONLY[name]
             if value is default or value == default:
                 continue
-            raise ValueError(f"chunk_gated_delta_rule: {name}={value!r} is not supported by "
-                             f"flashqla (only {name}={default!r})")
+            raise ValueError(f"{name}: {name}={value!r} is not supported by flashqla's "
+                             f"chunk_gated_delta_rule (only {name}={default!r})")
         raise TypeError(f"chunk_gated_delta_rule() got an unexpected keyword argument {name!r}")
     return gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -91,7 +91,7 @@ class NumpyFramework(Framework):
         return x.astype(dtype_name)
 
     def index_array(self, x, like, argname):
-        return _numpy_index(x)
+        return _numpy_index(x, argname)
 
     def empty(self, shape, dtype_name, like):
         import numpy as np
@@ -125,7 +125,7 @@ class TorchFramework(Framework):
             if x.device != like.device:
                 x = x.to(like.device)
             return x.contiguous()
-        return torch.as_tensor(_numpy_index(x), device=like.device).contiguous()
+        return torch.as_tensor(_numpy_index(x, argname), device=like.device).contiguous()
 
     def device(self, x):
         if x.device.type == "cuda":
@@ -175,7 +175,7 @@ class CupyFramework(Framework):
         with like.device:
             if isinstance(x, cupy.ndarray):
                 return cupy.ascontiguousarray(x)
-            return cupy.asarray(_numpy_index(x))
+            return cupy.asarray(_numpy_index(x, argname))
 
     def device(self, x):
         return ("cuda", x.device.id)
@@ -202,12 +202,26 @@ class JaxFramework(Framework):
     name = "jax"
 
 
-def _numpy_index(x):
+def _numpy_index(x, argname="cu_seqlens / state_indices"):
+    """cu_seqlens / state_indices given as a list, tuple or NumPy array: an
+    int array (integer-valued floats are converted); booleans, strings,
+    objects and fractions raise TypeError naming the argument."""
     import numpy as np
-    a = np.asarray(x)
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{argname}: expected a 1-d sequence of integers, got {type(x).__name__} "
+                        f"({e})") from e
+    if a.dtype.kind == "b":
+        raise TypeError(f"{argname}: expected integers (int32/int64), got a boolean array "
+                        f"(pass the numbers themselves, not a mask)")
     if a.dtype.kind not in "iu":
-        if a.size == 0 or all(float(v).is_integer() for v in a.reshape(-1)):
-            a = a.astype(np.int64)
+        if a.dtype.kind != "f" and a.size:
+            raise TypeError(f"{argname}: expected integers (int32/int64), got dtype {a.dtype}")
+        if a.size and not np.all(np.isfinite(a) & (a == np.round(a))):
+            raise TypeError(f"{argname}: expected integers (int32/int64), got non-integer values "
+                            f"of dtype {a.dtype}")
+        a = a.astype(np.int64)
     return np.ascontiguousarray(a)
 
 
@@ -262,3 +276,142 @@ def common_framework(arrays):
             raise TypeError(f"{name}: is a {f.name} array but {first} is a {fw.name} array; "
                             f"pass arrays of one framework")
     return fw
+
+
+# ---------------------------------------- what every public function checks ----
+# Before anything else, so that a bad argument is a TypeError or ValueError
+# naming it (issue 9): a required array that is None, an array of no float
+# dtype, a scale that is no finite real number; and raw DLPack capsules or
+# objects of no known framework with __dlpack__, taken in zero-copy (DESIGN
+# §5) as NumPy arrays (CPU, except bfloat16) or PyTorch tensors (CUDA,
+# bfloat16; CuPy arrays when only CuPy is installed), whose framework the
+# results then come back in.
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def _is_capsule(x):
+    return type(x).__name__ == "PyCapsule"
+
+
+class _CapsuleProducer:
+    """A raw DLPack capsule as a __dlpack__ producer (NumPy and CuPy take
+    only those); hands the capsule out once."""
+
+    def __init__(self, capsule, device):
+        self._capsule, self._device = capsule, device
+
+    def __dlpack_device__(self):
+        return self._device
+
+    def __dlpack__(self, **kwargs):
+        capsule, self._capsule = self._capsule, None
+        return capsule
+
+
+def _producer_error(argname, what, e):
+    kind = TypeError if isinstance(e, (TypeError, BufferError)) else ValueError
+    return kind(f"{argname}: {what} failed: {type(e).__name__}: {e}")
+
+
+def _from_dlpack(x, argname):
+    """A raw capsule or a foreign __dlpack__ object -> NumPy array or PyTorch
+    tensor (CuPy array) over the same memory."""
+    if _is_capsule(x):
+        try:
+            dev_type, dev_id, dtype = _C.dlpack_info(x)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{argname}: {e}") from e
+        src = _CapsuleProducer(x, (dev_type, dev_id))
+    else:
+        try:
+            dev = x.__dlpack_device__()
+        except Exception as e:  # noqa: BLE001 (any producer failure names the argument)
+            raise _producer_error(argname, "__dlpack_device__()", e) from e
+        if not (isinstance(dev, tuple) and len(dev) == 2
+                and all(isinstance(d, int) and not isinstance(d, bool) for d in dev)):
+            raise TypeError(f"{argname}: __dlpack_device__() must return (device_type, device_id), "
+                            f"got {dev!r}")
+        (dev_type, dev_id), dtype, src = dev, None, x
+    if dev_type not in (1, 2):
+        raise ValueError(f"{argname}: arrays on DLPack device type {dev_type} are not supported "
+                         f"(only CPU = 1 and CUDA = 2)")
+    try:
+        if dev_type == 1 and dtype != "bfloat16":
+            import numpy as np
+            try:
+                return np.from_dlpack(src)
+            except (TypeError, BufferError, RuntimeError) as e:
+                # NumPy has no bfloat16: an object that did not say its dtype
+                if _is_capsule(x) or not _have("torch"):
+                    raise
+                del e
+        if _have("torch"):
+            import torch
+            return torch.from_dlpack(x)
+        if dev_type == 2 and _have("cupy"):
+            import cupy
+            return cupy.from_dlpack(src)
+    except Exception as e:  # noqa: BLE001
+        raise _producer_error(argname, "__dlpack__()", e) from e
+    raise TypeError(f"{argname}: a DLPack array on {'CUDA' if dev_type == 2 else 'the CPU'} "
+                    f"of dtype {dtype or 'bfloat16'} needs PyTorch (or CuPy) installed to hold it "
+                    f"and the results")
+
+
+def _have(module):
+    if module in sys.modules:
+        return True
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def _known(x):
+    try:
+        framework_of(x, "")
+        return True
+    except TypeError:
+        return False
+
+
+def public_arrays(arrays, required):
+    """arrays: (name, value) pairs of one public call; required: the names
+    that must not be None. Returns the values, DLPack capsules and foreign
+    __dlpack__ objects taken in (see above)."""
+    out = []
+    for name, x in arrays:
+        if x is None:
+            if name in required:
+                raise TypeError(f"{name}: expected an array (NumPy, PyTorch, JAX, CuPy or any "
+                                f"DLPack producer), got None")
+        elif _is_capsule(x) or (hasattr(x, "__dlpack__") and not _known(x)):
+            x = _from_dlpack(x, name)
+        out.append(x)
+    return out
+
+
+def check_float_dtypes(fw, arrays):
+    """TypeError naming the first array of (name, array) whose dtype is no float."""
+    for name, x in arrays:
+        if x is not None and fw.dtype_name(x) not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, float16, bfloat16 or float64, "
+                            f"got {fw.dtype_name(x)}")
+
+
+def scale_of(scale, q):
+    """The scale a call uses: K ** -0.5 for None, else a finite real number."""
+    if scale is None:
+        K = int(q.shape[-1]) if len(q.shape) else 0
+        if K < 1:
+            raise ValueError(f"q: expected head dim K >= 1 in [B, T, H, K], got shape "
+                             f"{list(q.shape)}")
+        return float(K) ** -0.5
+    if isinstance(scale, (bool, complex, str, bytes)) or not hasattr(scale, "__float__"):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"scale: expected a real number or None, got {scale!r} ({e})") from e
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"scale: expected a finite number, got {value}")
+    return value

@@ -21,7 +21,8 @@ Shapes (time-major, as in FLA):
 """
 
 from . import _C
-from ._frameworks import TORCH, common_framework, state_dtype_of
+from ._frameworks import (TORCH, check_float_dtypes, common_framework, public_arrays, scale_of,
+                          state_dtype_of)
 
 
 # ------------------------------------------------------------ preparation ----
@@ -64,6 +65,8 @@ def prepare_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
     check_ndim(g, "g", 3, "[B, T, HV]")
     check_ndim(beta, "beta", 3, "[B, T, HV]")
     check_ndim(initial_state, "initial_state", 4, "[N, HV, K, V]")
+    check_float_dtypes(fw, [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                            ("initial_state", initial_state)])
     q, k, v, g, beta = (fw.contiguous(x) for x in (q, k, v, g, beta))
     g, beta = _prepare_gates(fw, q, g, beta)
     h0 = prepare_state(fw, initial_state, q)
@@ -82,7 +85,7 @@ def sizes_of(q, v, cu):
 
 
 def resolve_scale(scale, q):
-    return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    return scale_of(scale, q)
 
 
 # --------------------------------------------------------------- raw calls ----
@@ -167,6 +170,9 @@ def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
     output_final_state; ctx goes to gdn_chunk_bwd. NumPy, PyTorch and CuPy
     arrays (JAX arrays take flashqla.jax.gdn_chunk_fwd, an XLA custom call)."""
     grad_dtypes = None
+    q, k, v, g, beta, initial_state, cu_seqlens = public_arrays(
+        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+         ("cu_seqlens", cu_seqlens)], required=("q", "k", "v", "g", "beta"))
     fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state)])
     if fw is not None:
         grad_dtypes = tuple(None if x is None else fw.dtype_name(x)
@@ -192,7 +198,10 @@ def gdn_chunk_bwd(ctx, do, dfinal_state=None):
     fw = ctx.framework
     if do is None:
         raise TypeError("do: the gradient of o is required (zeros if o is unused)")
+    do, dfinal_state = public_arrays([("do", do), ("dfinal_state", dfinal_state)], required=("do",))
     dfw = common_framework([("do", do), ("dfinal_state", dfinal_state)])
+    if dfw is fw:
+        check_float_dtypes(fw, [("do", do), ("dfinal_state", dfinal_state)])
     if dfw is not fw:
         raise TypeError(f"do: is a {dfw.name} array but the forward ran on {fw.name} arrays")
     q, k, v, g, beta, h0, cu = ctx.inputs

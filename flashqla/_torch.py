@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._frameworks import TORCH
+from ._frameworks import TORCH, _numpy_index, scale_of
 from ._prepared import chunk_bwd_prepared, chunk_fwd_prepared, recurrent_prepared
 
 __all__ = ["chunk_fwd", "chunk_bwd", "recurrent", "gdn_chunk", "gdn_recurrent"]
@@ -180,11 +180,11 @@ def _state(x, q):
     return x.contiguous()
 
 
-def _index(x, q):
+def _index(x, q, name):
     if x is None:
         return None
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x, dtype=torch.int64)
+    if not isinstance(x, torch.Tensor):  # lists, NumPy: integers only (no bool, str, fraction)
+        x = torch.as_tensor(_numpy_index(x, name))
     if x.device != q.device:
         x = x.to(q.device)
     return x.contiguous()
@@ -207,9 +207,9 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = _gates(q, g.contiguous(), beta.contiguous())
     h0 = _state(initial_state, q)
-    cu = _index(cu_seqlens, q)
+    cu = _index(cu_seqlens, q, "cu_seqlens")
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
-    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    scale = scale_of(scale, q)
     args = (q, k, v, g, beta, h0, cu, scale, bool(output_final_state), bool(use_qk_l2norm))
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:6]):
         o, ht = _ChunkFunction.apply(*args)
@@ -231,11 +231,11 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
     q, k, v, g, beta, state = (x.detach() if x.requires_grad else x for x in (q, k, v, g, beta, state))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = _gates(q, g.contiguous(), beta.contiguous())
-    idx = _index(state_indices, q)
+    idx = _index(state_indices, q, "state_indices")
     _check_ndim(idx, "state_indices", 1, "[N]")
-    cu = _index(cu_seqlens, q)
+    cu = _index(cu_seqlens, q, "cu_seqlens")
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
-    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    scale = scale_of(scale, q)
     if _plain_eager(q, k, v, g, beta, state, idx, cu):
         # the op's own kernel, without the ~10 us of the dispatcher's Python
         # custom-op machinery: decoding calls this once per layer and token

@@ -41,7 +41,7 @@ except ImportError as _err:  # pragma: no cover - the test extras install jax
         from _err
 
 from . import _C
-from ._frameworks import JAX
+from ._frameworks import JAX, _numpy_index, scale_of
 from ._prepared import ChunkContext
 
 __all__ = ["gdn_chunk", "gdn_recurrent", "gdn_chunk_fwd", "gdn_chunk_bwd"]
@@ -75,8 +75,10 @@ def _dtype(x):
     return jnp.dtype(x.dtype).name
 
 
-def _array(x, name):
+def _array(x, name, required=True):
     if x is None:
+        if required:
+            raise TypeError(f"{name}: expected a JAX array, got None")
         return None
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected a JAX array, got {type(x).__module__}."
@@ -89,10 +91,7 @@ def _index(x, name):
     if x is None:
         return None
     if not hasattr(x, "dtype"):
-        x = np.asarray(x)
-        if x.dtype.kind not in "iu":
-            if x.size and not all(float(e).is_integer() for e in x.reshape(-1)):
-                raise TypeError(f"{name}: expected integers, got {x.dtype}")
+        x = _numpy_index(x, name)  # integers only (no bool, str, fraction)
         big = x.size and (int(x.max()) >= 2 ** 31 or int(x.min()) < -2 ** 31)
         x = x.astype(np.int64 if big else np.int32)
     x = jnp.asarray(x)
@@ -120,6 +119,8 @@ def _prepare(q, k, v, g, beta, cu_seqlens):
     if q.ndim != 4:
         raise ValueError(f"q: expected 4 dimensions [B, T, H, K], got shape {list(q.shape)}")
     B, T, H, K = q.shape
+    if K < 1:
+        raise ValueError(f"q: expected head dim K >= 1 in [B, T, H, K], got shape {list(q.shape)}")
     if _dtype(q) not in _FLOATS:
         raise TypeError(f"q: expected dtype float32, float16, bfloat16 or float64, got {_dtype(q)}")
     if k.shape != q.shape:
@@ -150,7 +151,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens):
 
 
 def _prepare_state(x, name, q, shape):
-    x = _array(x, name)
+    x = _array(x, name, required=False)
     if x is None:
         return None
     if tuple(x.shape) != tuple(shape):
@@ -161,7 +162,7 @@ def _prepare_state(x, name, q, shape):
 
 
 def _scale(scale, q):
-    return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    return scale_of(scale, q)
 
 
 def _flag(x):

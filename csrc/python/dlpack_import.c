@@ -17,25 +17,30 @@
 #include "errors.h"
 #include "dlpack_import.h"
 
-/* Re-raises the pending exception of a producer's __dlpack__ with the
- * argument's name in front (same type, original chained as __cause__), for
- * the plain builtin exception types; anything else passes through as is. */
+/* Re-raises the pending exception of a producer's __dlpack__ as TypeError
+ * (the producer's TypeError or BufferError: this array cannot be exported as
+ * it is, e.g. an object dtype or a tensor that requires grad) or ValueError
+ * (any other Exception), with the argument's name and the original type in
+ * front and the original chained as __cause__. Exceptions that are no
+ * Exception (KeyboardInterrupt, SystemExit) pass through as they are. */
 static void fq_prefix_error(const char *name, const char *what)
 {
     PyObject *exc = fq_error_take(), *text = NULL, *renamed = NULL;
-    PyObject *type = exc ? (PyObject *)Py_TYPE(exc) : NULL;
-    if (type != PyExc_TypeError && type != PyExc_ValueError && type != PyExc_BufferError &&
-        type != PyExc_RuntimeError) {
+    if (!exc || !PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_Exception)) {
         fq_error_give(exc);
         return;
     }
+    PyObject *type = PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_TypeError) ||
+                             PyObject_TypeCheck(exc, (PyTypeObject *)PyExc_BufferError)
+                         ? PyExc_TypeError
+                         : PyExc_ValueError;
     text = PyObject_Str(exc);
     if (!text) {
         PyErr_Clear();
         fq_error_give(exc);
         return;
     }
-    PyErr_Format(type, "%s: %s: %U", name, what, text);
+    PyErr_Format(type, "%s: %s: %s: %U", name, what, Py_TYPE(exc)->tp_name, text);
     Py_DECREF(text);
     renamed = fq_error_take();
     if (renamed) PyException_SetCause(renamed, exc); /* steals exc */
@@ -109,6 +114,34 @@ static int fq_array_take_capsule(fq_array *a, PyObject *capsule, const char *nam
         return -1;
     }
     return 0;
+}
+
+PyObject *fq_dlpack_info(PyObject *self, PyObject *capsule)
+{
+    const DLTensor *t = NULL;
+    char dt[64];
+    (void)self;
+    if (PyCapsule_CheckExact(capsule) && PyCapsule_IsValid(capsule, DLPACK_VERSIONED_TENSOR_UNUSED_NAME)) {
+        const DLManagedTensorVersioned *m = (const DLManagedTensorVersioned *)PyCapsule_GetPointer(
+            capsule, DLPACK_VERSIONED_TENSOR_UNUSED_NAME);
+        if (!m) return NULL;
+        if (m->version.major != DLPACK_MAJOR_VERSION)
+            return PyErr_Format(PyExc_ValueError,
+                                "DLPack version %u.%u is not supported (flashqla reads major version %d)",
+                                (unsigned)m->version.major, (unsigned)m->version.minor,
+                                DLPACK_MAJOR_VERSION);
+        t = &m->dl_tensor;
+    } else if (PyCapsule_CheckExact(capsule) && PyCapsule_IsValid(capsule, DLPACK_TENSOR_UNUSED_NAME)) {
+        const DLManagedTensor *m =
+            (const DLManagedTensor *)PyCapsule_GetPointer(capsule, DLPACK_TENSOR_UNUSED_NAME);
+        if (!m) return NULL;
+        t = &m->dl_tensor;
+    } else {
+        return PyErr_Format(PyExc_TypeError, "expected an unused DLPack capsule, got %.200s",
+                            Py_TYPE(capsule)->tp_name);
+    }
+    return Py_BuildValue("(iis)", (int)t->device.device_type, (int)t->device.device_id,
+                         fq_dl_dtype_str(t->dtype, dt, sizeof dt));
 }
 
 /* Imports one array argument. `cuda_stream` (borrowed) is passed as

@@ -24,5 +24,10 @@ int fq_array_import(fq_array *a, PyObject *obj, const char *name, PyObject *cuda
 /* Calls the deleter of a taken tensor (with the GIL held) and drops the
  * capsule. Safe on an empty fq_array. */
 void fq_array_release(fq_array *a);
+/* _C.dlpack_info(capsule) -> (device_type, device_id, dtype): what an unused
+ * DLPack capsule holds, read without taking it (the capsule stays usable),
+ * so that the Python layer can hand a raw capsule to the framework that
+ * can hold it. TypeError for anything that is not an unused DLPack capsule. */
+PyObject *fq_dlpack_info(PyObject *self, PyObject *capsule);
 
 #endif /* FQ_PY_DLPACK_IMPORT_H */

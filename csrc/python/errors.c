@@ -70,6 +70,30 @@ const char *fq_dims_str(int ndim, const int64_t *dims, char *buf, size_t n)
     return buf;
 }
 
+/* ============================================================ arguments == */
+
+int fq_int_arg(PyObject *obj, const char *name, long long lo, long long hi, const char *expected,
+               long long *out)
+{
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %s, got %.200s", name, expected,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *ix = PyNumber_Index(obj);
+    if (!ix) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(ix, &overflow);
+    Py_DECREF(ix);
+    if (v == -1 && !overflow && PyErr_Occurred()) return -1;
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %s, got %R", name, expected, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
 /* ============================================================ exceptions == */
 
 /* Raises the exception for a failed core status, with the core's message. */

@@ -17,6 +17,12 @@ void fq_raise_status(fq_status st);
 PyObject *fq_error_take(void);
 void fq_error_give(PyObject *exc);
 
+/* An int argument (anything with __index__, not a bool) in [lo, hi] into *out;
+ * else TypeError / ValueError naming `name` and saying `expected` (e.g. "an
+ * int from 0 to 4096"). Returns 0 or -1 with the exception set. */
+int fq_int_arg(PyObject *obj, const char *name, long long lo, long long hi, const char *expected,
+               long long *out);
+
 /* "cpu", "cuda:1", ... into buf (n bytes); returns buf. */
 const char *fq_device_str(DLDevice d, char *buf, size_t n);
 /* "float32", "bfloat16", "int64", ... into buf (n bytes); returns buf. */

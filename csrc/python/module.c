@@ -42,6 +42,20 @@
 #include "validate.h"
 #include "xla/gdn_xla.h"
 
+/* num_threads: absent or None: 0 (the default, FLASHQLA_NUM_THREADS or all
+ * cores); else an int from 0 to 4096. */
+static int fq_parse_num_threads(PyObject *obj, int *out)
+{
+    long long v = 0;
+    *out = 0;
+    if (!obj || obj == Py_None) return 0;
+    if (fq_int_arg(obj, "num_threads", 0, 4096,
+                   "an int from 0 (the default: FLASHQLA_NUM_THREADS or all cores) to 4096", &v) < 0)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
 /* Runs op 'f', 'b' or 'r' on q's device with the GIL released. `ws` is the
  * workspace slot (imported only for CUDA calls). */
 static int fq_dispatch(char op, fq_gdn_params *p, const fq_call *c, const fq_slot *ws)
@@ -99,11 +113,12 @@ static PyObject *fq_chunk_fwd(PyObject *self, PyObject *args, PyObject *kwds)
     PyObject *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *o = NULL, *scale_obj = NULL;
     PyObject *h0 = NULL, *ht = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
     PyObject *result = NULL;
+    PyObject *nt_obj = NULL;
     int l2 = 0, num_threads = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO|$OOOOpOOi:chunk_fwd", kwlist, &q, &k, &v, &g,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO|$OOOOpOOO:chunk_fwd", kwlist, &q, &k, &v, &g,
                                      &beta, &o, &scale_obj, &h0, &ht, &cu, &l2, &ws, &stream,
-                                     &num_threads))
+                                     &nt_obj))
         return NULL;
     enum { Q, K, V, G, BETA, O, SEQ, H0, HT, WS, NSLOT };
     fq_slot slots[NSLOT] = {
@@ -117,6 +132,7 @@ static PyObject *fq_chunk_fwd(PyObject *self, PyObject *args, PyObject *kwds)
     fq_gdn_params p;
     double scale = 0.0;
     int scale_default = 0;
+    if (fq_parse_num_threads(nt_obj, &num_threads) < 0) return NULL;
     if (fq_parse_scale(scale_obj, "chunk_fwd", &scale, &scale_default) < 0) return NULL;
     if (fq_call_validate(&c, stream) < 0) goto fail;
     if (scale_default) scale = 1.0 / sqrt((double)c.K);
@@ -155,11 +171,12 @@ static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
     PyObject *dq = NULL, *dk = NULL, *dv = NULL, *dg = NULL, *dbeta = NULL, *scale_obj = NULL;
     PyObject *h0 = NULL, *dht = NULL, *dh0 = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
     PyObject *result = NULL;
+    PyObject *nt_obj = NULL;
     int l2 = 0, num_threads = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOOO|$OOOOOpOOi:chunk_bwd", kwlist, &q, &k, &v,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOOO|$OOOOOpOOO:chunk_bwd", kwlist, &q, &k, &v,
                                      &g, &beta, &dout, &dq, &dk, &dv, &dg, &dbeta, &scale_obj, &h0, &dht,
-                                     &dh0, &cu, &l2, &ws, &stream, &num_threads))
+                                     &dh0, &cu, &l2, &ws, &stream, &nt_obj))
         return NULL;
     enum { Q, K, V, G, BETA, DO, DQ, DK, DV, DG, DBETA, SEQ, H0, DHT, DH0, WS, NSLOT };
     fq_slot slots[NSLOT] = {
@@ -176,6 +193,7 @@ static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
     fq_gdn_params p;
     double scale = 0.0;
     int scale_default = 0;
+    if (fq_parse_num_threads(nt_obj, &num_threads) < 0) return NULL;
     if (fq_parse_scale(scale_obj, "chunk_bwd", &scale, &scale_default) < 0) return NULL;
     if (fq_call_validate(&c, stream) < 0) goto fail;
     if (slots[H0].a.t && !slots[DH0].a.t) {
@@ -227,11 +245,12 @@ static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
     PyObject *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *state = NULL, *o = NULL;
     PyObject *scale_obj = NULL, *idx = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
     PyObject *result = NULL;
+    PyObject *nt_obj = NULL;
     int l2 = 0, num_threads = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|$OOOpOOi:recurrent", kwlist, &q, &k, &v, &g,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|$OOOpOOO:recurrent", kwlist, &q, &k, &v, &g,
                                      &beta, &state, &o, &scale_obj, &idx, &cu, &l2, &ws, &stream,
-                                     &num_threads))
+                                     &nt_obj))
         return NULL;
     enum { Q, K, V, G, BETA, O, SEQ, IDX, STATE, WS, NSLOT };
     fq_slot slots[NSLOT] = {
@@ -245,6 +264,7 @@ static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
     fq_gdn_params p;
     double scale = 0.0;
     int scale_default = 0;
+    if (fq_parse_num_threads(nt_obj, &num_threads) < 0) return NULL;
     if (fq_parse_scale(scale_obj, "recurrent", &scale, &scale_default) < 0) return NULL;
     if (fq_call_validate(&c, stream) < 0) goto fail;
     if (scale_default) scale = 1.0 / sqrt((double)c.K);
@@ -288,13 +308,29 @@ PyDoc_STRVAR(fq_workspace_bytes_doc,
 static PyObject *fq_workspace_bytes(PyObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"op", "B", "T", "H", "HV", "K", "V", "N", "dtype", NULL};
+    PyObject *obj[9] = {NULL};
     const char *op = NULL, *dtype = NULL;
-    long long B, T, H, HV, K, V, N;
+    long long sz[7];
     fq_gdn_params p;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sLLLLLLLs:workspace_bytes", kwlist, &op, &B, &T, &H, &HV,
-                                     &K, &V, &N, &dtype))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOO:workspace_bytes", kwlist, &obj[0], &obj[1],
+                                     &obj[2], &obj[3], &obj[4], &obj[5], &obj[6], &obj[7], &obj[8]))
         return NULL;
+    if (!PyUnicode_Check(obj[0])) {
+        PyErr_Format(PyExc_TypeError, "op: expected \"fwd\", \"bwd\" or \"recurrent\", got %.200s",
+                     Py_TYPE(obj[0])->tp_name);
+        return NULL;
+    }
+    if (!PyUnicode_Check(obj[8])) {
+        PyErr_Format(PyExc_TypeError, "dtype: expected a dtype name such as \"float32\", got %.200s",
+                     Py_TYPE(obj[8])->tp_name);
+        return NULL;
+    }
+    if (!(op = PyUnicode_AsUTF8(obj[0])) || !(dtype = PyUnicode_AsUTF8(obj[8]))) return NULL;
+    for (int i = 0; i < 7; i++)
+        if (fq_int_arg(obj[i + 1], kwlist[i + 1], 0, INT64_MAX / 16, "a size >= 0 (an int)", &sz[i]) < 0)
+            return NULL;
+    const long long B = sz[0], T = sz[1], H = sz[2], HV = sz[3], K = sz[4], V = sz[5], N = sz[6];
     fq_params_init(&p);
     if (!fq_dtype_from_name(dtype, &p.dtype)) {
         PyErr_Format(PyExc_TypeError,
@@ -401,6 +437,9 @@ static PyMethodDef fq_methods[] = {
     {"recurrent", (PyCFunction)(void (*)(void))fq_recurrent, METH_VARARGS | METH_KEYWORDS, fq_recurrent_doc},
     {"workspace_bytes", (PyCFunction)(void (*)(void))fq_workspace_bytes, METH_VARARGS | METH_KEYWORDS,
      fq_workspace_bytes_doc},
+    {"dlpack_info", fq_dlpack_info, METH_O,
+     "dlpack_info(capsule) -> (device_type, device_id, dtype): what an unused DLPack capsule\n"
+     "holds, read without taking it"},
     {"cuda_built", fq_cuda_built_py, METH_NOARGS, "cuda_built() -> bool: was the CUDA backend compiled in"},
     {"cpu_isa", fq_cpu_isa_py, METH_NOARGS,
      "cpu_isa() -> str: the CPU kernel set in use (avx512, avx2, neon, scalar; FLASHQLA_CPU_ISA\n"

@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -465,10 +466,18 @@ int fq_parse_scale(PyObject *obj, const char *fn, double *scale, int *use_defaul
         *use_default = 1;
         return 0;
     }
+    if (PyBool_Check(obj) || PyComplex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "scale: expected a float, got %.200s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
     *scale = PyFloat_AsDouble(obj);
     if (*scale == -1.0 && PyErr_Occurred()) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "scale: expected a float, got %.200s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (!isfinite(*scale)) {
+        PyErr_Format(PyExc_ValueError, "scale: expected a finite float, got %R", obj);
         return -1;
     }
     return 0;
