@@ -32,15 +32,16 @@ except ImportError as _err:
             f"flashqla with `pip install .`, or build it in place with "
             f"`python setup.py build_ext --inplace`") from _err
 from ._C import Error
-from ._api import (ChunkContext, chunk_gated_delta_rule, gdn_chunk, gdn_chunk_bwd,
-                   gdn_chunk_fwd, gdn_recurrent)
+from ._api import (ChunkContext, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
+                   gdn_chunk, gdn_chunk_bwd, gdn_chunk_fwd, gdn_recurrent)
 
 __version__ = "0.1.0"
 
 __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
-           "chunk_gated_delta_rule", "ChunkContext", "Error", "cuda_available"]
+           "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ChunkContext", "Error",
+           "cuda_available"]
 
-_SUBMODULES = ("jax", "distributed", "reference", "demo")
+_SUBMODULES = ("jax", "distributed", "integrations", "reference", "demo")
 
 
 def cuda_available():

@@ -25,7 +25,7 @@ from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, prepare_in
                         recurrent_prepared, resolve_scale)
 
 __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
-           "chunk_gated_delta_rule", "ChunkContext"]
+           "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ChunkContext"]
 
 
 def _jax_front():
@@ -141,8 +141,9 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
 # ------------------------------------------------------ public: FLA names ----
 
 # FLA keyword arguments that only steer how FLA computes (hints, caches,
-# its own graph / context-parallel machinery): accepted and ignored.
-_FLA_HINTS = ("cu_seqlens_cpu", "chunk_indices", "auto_cp", "enable_fwd_cp_cache", "use_graph")
+# its own graph / context-parallel machinery, its chunk size): accepted and ignored.
+_FLA_HINTS = ("cu_seqlens_cpu", "chunk_indices", "auto_cp", "enable_fwd_cp_cache", "use_graph",
+              "chunk_size")
 # FLA keyword arguments that change the operator: accepted only at their default.
 _FLA_DEFAULT_ONLY = {
     "head_first": False,
@@ -150,31 +151,143 @@ _FLA_DEFAULT_ONLY = {
     "allow_neg_eigval": False,
     "state_v_first": False,
     "transpose_state_layout": False,
+    "use_gate_in_kernel": False,
     "cp_context": None,
 }
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm_in_kernel=False,
-                           cu_seqlens=None, **kwargs):
-    """FLA's `fla.ops.gated_delta_rule.chunk_gated_delta_rule`, same
-    arguments in the same order, so FLA code runs unchanged:
-    `from flashqla import chunk_gated_delta_rule`. Returns (o, final_state).
-
-    FLA's optional keywords that only steer FLA's own machinery
-    (cu_seqlens_cpu, chunk_indices, ...) are ignored; those that change the
-    operator (head_first=True, use_beta_sigmoid_in_kernel=True, ...) raise
-    ValueError; anything else raises TypeError like any unknown keyword."""
+def fla_chunk_options(**kwargs):
+    """The keywords of FLA's chunk_gated_delta_rule past q .. cu_seqlens, as
+    gdn_chunk keywords: FLA's hints are ignored, so is anything FLA does not
+    know either (FLA takes **kwargs); an option that changes the operator in
+    a way flashqla does not implement raises ValueError naming it."""
     for name, value in kwargs.items():
-        if name in _FLA_HINTS:
-            continue
         if name in _FLA_DEFAULT_ONLY:
             default = _FLA_DEFAULT_ONLY[name]
-            if value is default or value == default:
+            if value is default or (not hasattr(value, "shape") and value == default):
                 continue
-            raise ValueError(f"{name}: {name}={value!r} is not supported by flashqla's "
+            shown = "an object" if hasattr(value, "shape") or name == "cp_context" else repr(value)
+            raise ValueError(f"{name}: {name}={shown} is not supported by flashqla's "
                              f"chunk_gated_delta_rule (only {name}={default!r})")
-        raise TypeError(f"chunk_gated_delta_rule() got an unexpected keyword argument {name!r}")
+        # _FLA_HINTS and any other keyword: ignored, as FLA ignores what it does not know
+    return {}
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False,
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                           chunk_indices=None, cp_context=None, **kwargs):
+    """FLA's `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (0.6.0), the
+    same parameters in the same order, so FLA code runs unchanged:
+    `from flashqla import chunk_gated_delta_rule`. Returns (o, final_state).
+    Shapes as gdn_chunk: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
+    [B, T, HV]; initial_state [N, HV, K, V]; cu_seqlens [N + 1].
+
+    FLA's keywords that only steer FLA's own machinery (cu_seqlens_cpu,
+    chunk_indices, chunk_size, ...) are ignored; those that change the
+    operator in a way flashqla does not implement (head_first=True,
+    use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True,
+    use_gate_in_kernel=True, cp_context) raise ValueError naming them; any other
+    keyword is ignored, as FLA ignores it (transformers passes its own, e.g.
+    use_cache)."""
+    opts = fla_chunk_options(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                             allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                             cp_context=cp_context, **kwargs)
     return gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     use_qk_l2norm=use_qk_l2norm_in_kernel)
+                     use_qk_l2norm=use_qk_l2norm_in_kernel, **opts)
+
+
+# keyword options of FLA's fused_recurrent_gated_delta_rule that flashqla
+# takes only at their default (they change the operator)
+_FLA_RECURRENT_DEFAULT_ONLY = {
+    "gk": None,                       # per-key decay [B, T, HV, K]
+    "gv": None,                       # per-value decay [B, T, HV, V]
+    "use_gate_in_kernel": False,
+    "A_log": None,
+    "dt_bias": None,
+    "use_beta_sigmoid_in_kernel": False,
+    "allow_neg_eigval": False,
+    "state_v_first": False,
+}
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                     initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                                     allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, **kwargs):
+    """FLA's `fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`
+    (0.6.0), same arguments in the same order: the token-by-token recurrence
+    from initial_state, returning (o [B, T, HV, V], final_state [N, HV, K, V]
+    or None unless output_final_state). Functional like FLA's: initial_state
+    is left as it was (flashqla.gdn_recurrent on a copy of it); for decoding
+    against a state pool in place use gdn_recurrent itself.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV] (g None: no decay;
+    beta None: 1); initial_state [N, HV, K, V] (None: zeros); cu_seqlens
+    [N + 1] (B == 1). FLA's options that change the operator and flashqla
+    does not implement (gk, gv, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+    allow_neg_eigval, state_v_first, a per-value beta [B, T, HV, V]) raise
+    ValueError naming them; other keywords are ignored, as FLA ignores them.
+    No gradients (FLA's has none either)."""
+    if "transpose_state_layout" in kwargs:  # FLA's deprecated name of state_v_first
+        if state_v_first:
+            raise ValueError("transpose_state_layout: pass state_v_first or its deprecated name "
+                             "transpose_state_layout, not both")
+        state_v_first = kwargs.pop("transpose_state_layout")
+    given = dict(gk=gk, gv=gv, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                 dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
+    for name, value in given.items():
+        default = _FLA_RECURRENT_DEFAULT_ONLY[name]
+        if value is default or (not hasattr(value, "shape") and value == default):
+            continue
+        shown = "a tensor" if hasattr(value, "shape") else repr(value)
+        raise ValueError(f"{name}: {name}={shown} is not supported by flashqla's "
+                         f"fused_recurrent_gated_delta_rule (only {name}={default!r})")
+    fw = common_framework([("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                           ("initial_state", initial_state)])
+    check_ndim(q, "q", 4, "[B, T, H, K]")
+    check_ndim(v, "v", 4, "[B, T, HV, V]")
+    if beta is not None and getattr(beta, "ndim", None) == 4:
+        raise ValueError("beta: [B, T, HV, V] (one beta per value channel) is not supported by "
+                         "flashqla's fused_recurrent_gated_delta_rule (only [B, T, HV])")
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    if fw is TORCH:
+        import torch
+        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if g is None:
+            g = q.new_zeros((B, T, HV), dtype=torch.float32)
+        if beta is None:
+            beta = q.new_ones((B, T, HV), dtype=torch.float32)
+        if initial_state is None:
+            pool = q.new_zeros((N, HV, K, V), dtype=state_dtype)
+        else:
+            pool = initial_state.detach().to(state_dtype, copy=True).contiguous()
+    elif fw is JAX:
+        import jax.numpy as jnp
+        state_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+        g = jnp.zeros((B, T, HV), jnp.float32) if g is None else g
+        beta = jnp.ones((B, T, HV), jnp.float32) if beta is None else beta
+        pool = (jnp.zeros((N, HV, K, V), state_dtype) if initial_state is None
+                else jnp.asarray(initial_state, state_dtype))
+        o, pool = _jax_front().gdn_recurrent(q, k, v, g, beta, pool, scale=scale,
+                                             cu_seqlens=cu_seqlens,
+                                             use_qk_l2norm=use_qk_l2norm_in_kernel)
+        return o, (pool if output_final_state else None)
+    else:
+        import numpy as np
+        xp = np if fw.name == "numpy" else __import__("cupy")
+        state_dtype = "float64" if fw.dtype_name(q) == "float64" else "float32"
+        g = xp.zeros((B, T, HV), "float32") if g is None else g
+        beta = xp.ones((B, T, HV), "float32") if beta is None else beta
+        pool = (xp.zeros((N, HV, K, V), state_dtype) if initial_state is None
+                else xp.array(initial_state, dtype=state_dtype, copy=True))
+    o = gdn_recurrent(q, k, v, g, beta, pool, scale=scale, cu_seqlens=cu_seqlens,
+                      use_qk_l2norm=use_qk_l2norm_in_kernel)
+    return o, (pool if output_final_state else None)

@@ -175,10 +175,11 @@ def test_chunk_gated_delta_rule_is_fla_compatible():
     from flashqla import chunk_gated_delta_rule
     inp = make_inputs(1, 90, 2, 4, 16, 16, seed=10, seqlens=[40, 50], normalize_qk=False)
     t = cast_inputs_torch(inp, "bfloat16")
-    # FLA's positional order: q, k, v, g, beta, scale, initial_state, output_final_state,
-    # use_qk_l2norm_in_kernel, cu_seqlens
+    # FLA 0.6.0's positional order: q, k, v, g, beta, scale, initial_state, output_final_state,
+    # use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+    # cu_seqlens
     o, ht = chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], None, t["h0"],
-                                   True, True, t["cu_seqlens"])
+                                   True, True, False, False, False, t["cu_seqlens"])
     o2, ht2 = flashqla.gdn_chunk(t["q"], t["k"], t["v"], t["g"], t["beta"],
                                  initial_state=t["h0"], output_final_state=True,
                                  use_qk_l2norm=True, cu_seqlens=t["cu_seqlens"])
@@ -196,8 +197,11 @@ def test_chunk_gated_delta_rule_is_fla_compatible():
     with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
         chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
                                use_beta_sigmoid_in_kernel=True)
-    with pytest.raises(TypeError, match="no_such_option"):
-        chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], no_such_option=1)
+    # any other keyword is ignored, as FLA ignores it (transformers passes use_cache & co.)
+    o4, _ = chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                   initial_state=t["h0"], use_qk_l2norm_in_kernel=True,
+                                   cu_seqlens=t["cu_seqlens"], use_cache=True, position_ids=None)
+    assert torch.equal(o4, o)
 
 
 # ------------------------------------------------------------- bad inputs ----
