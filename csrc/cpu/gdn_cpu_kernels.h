@@ -40,7 +40,13 @@
 #define FQ_KCAT(a, b) FQ_KCAT_(a, b)
 #define FQ_K(name) FQ_KCAT(name, FQ_ISA)
 #define FQ_GEMM_NR (FQ_GEMM_NV * FQ_VL)
+/* fully unrolled register loops (constant trip counts <= 8): the arrays of
+ * vectors they index then live in registers */
+#if defined(__clang__)
+#define FQ_UNROLL _Pragma("unroll")
+#else
 #define FQ_UNROLL _Pragma("GCC unroll 8")
+#endif
 #define FQ_REC_PF_ROWS 4 /* rows of the state prefetched ahead (recurrent step) */
 
 /* ------------------------------------------------------------- GEMM ---- */

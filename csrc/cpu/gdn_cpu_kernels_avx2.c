@@ -15,9 +15,11 @@
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #elif defined(__GNUC__)
-/* no-avx512f: a -march=native build on an AVX-512 machine still gets AVX2 code here */
-#pragma GCC target("avx2,fma,f16c,no-avx512f")
+#pragma GCC target("avx2,fma,f16c")
 #endif
+/* (a FLASHQLA_NATIVE=1 build adds the host's whole instruction set to every
+ * file, this one included: forcing avx2 there runs these kernels, compiled
+ * with whatever the host has; the portable build keeps them AVX2-only) */
 
 #define FQ_ISA avx2
 #define FQ_ISA_NAME "avx2"
