@@ -44,8 +44,10 @@ __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
 _SUBMODULES = ("jax", "distributed", "integrations", "reference", "demo")
 
 
-def cuda_available():
-    """True when this build has the CUDA backend (a device may still be absent)."""
+def cuda_available() -> bool:
+    """True when this build has the CUDA backend (a device may still be absent).
+    Takes no arrays; the kernels' shapes: q, k [B, T, H, K], v [B, T, HV, V],
+    g, beta [B, T, HV] (see flashqla.gdn_chunk)."""
     return bool(_C.cuda_built())
 
 

@@ -19,13 +19,25 @@ Layers: this module picks the framework front-end (_torch.py for autograd,
 jax.py for JAX) and both call down into _prepared.py, which calls _C.
 """
 
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, Optional, Tuple
+
 from ._frameworks import JAX, TORCH, check_float_dtypes, common_framework, public_arrays
 from . import _prepared
+from ._typing import Array, Indices
 from ._prepared import (ChunkContext, check_ndim, chunk_fwd_prepared, prepare_inputs,
                         recurrent_prepared, resolve_scale)
 
 __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
            "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ChunkContext"]
+
+
+def _all_torch_tensors(*xs):
+    """True when every x is a plain torch.Tensor (torch already imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and all(type(x) is torch.Tensor for x in xs)
 
 
 def _jax_front():
@@ -42,10 +54,14 @@ def _torch_front():
     return _torch
 
 
-def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm=False):
+def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
+              scale: Optional[float] = None, initial_state: Optional[Array] = None,
+              output_final_state: bool = False, cu_seqlens: Optional[Indices] = None,
+              use_qk_l2norm: bool = False) -> Tuple[Array, Optional[Array]]:
     """Gated delta rule, chunked (prefill / training). Returns (o, final_state).
 
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N + 1] (packed sequences, B == 1; N = B without).
     o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] (float32, float64
     with float64 inputs) or None unless output_final_state. scale defaults to
     K ** -0.5. With PyTorch tensors this is torch.ops.flashqla.chunk_fwd:
@@ -70,11 +86,15 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                               output_final_state, use_qk_l2norm)
 
 
-def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):
+def gdn_chunk_fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
+                  scale: Optional[float] = None, initial_state: Optional[Array] = None,
+                  output_final_state: bool = False, cu_seqlens: Optional[Indices] = None,
+                  use_qk_l2norm: bool = False) -> Tuple[Array, Optional[Array], ChunkContext]:
     """Chunked forward of the gated delta rule without autograd.
 
-    Shapes as gdn_chunk. Returns (o, final_state, ctx): final_state
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N + 1] (packed sequences, B == 1; N = B without).
+    Returns (o, final_state, ctx): final_state
     [N, HV, K, V] is None unless output_final_state; ctx goes to
     gdn_chunk_bwd. Works for every framework (JAX: flashqla.jax's custom
     calls)."""
@@ -88,8 +108,10 @@ def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
                               use_qk_l2norm=use_qk_l2norm)
 
 
-def gdn_chunk_bwd(ctx, do, dfinal_state=None):
-    """Backward of gdn_chunk_fwd: from do [B, T, HV, V] (and dfinal_state
+def gdn_chunk_bwd(ctx: ChunkContext, do: Array,
+                  dfinal_state: Optional[Array] = None) -> Tuple[Array, Array, Array, Array, Array, Optional[Array]]:
+    """Backward of gdn_chunk_fwd (the forward's inputs q, k [B, T, H, K],
+    v [B, T, HV, V], g, beta [B, T, HV] are in ctx): from do [B, T, HV, V] (and dfinal_state
     [N, HV, K, V], None meaning zero) returns (dq, dk, dv, dg, dbeta,
     dinitial_state), each in the dtype of its input; dinitial_state is None
     when no initial state was given."""
@@ -103,9 +125,13 @@ def gdn_chunk_bwd(ctx, do, dfinal_state=None):
 
 # ------------------------------------------------------ public: recurrent ----
 
-def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
-                  cu_seqlens=None, use_qk_l2norm=False):
+def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
+                  state_indices: Optional[Indices] = None, scale: Optional[float] = None,
+                  cu_seqlens: Optional[Indices] = None, use_qk_l2norm: bool = False) -> Array:
     """Recurrent step (decode / multi-token verify) against a state pool.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; state [P, HV, K, V];
+    state_indices [N]; cu_seqlens [N + 1] (B == 1; N = B without).
 
     state [P, HV, K, V] (float32; float64 with float64 inputs) is read and
     updated in place: sequence n (row n of the batch, or cu_seqlens[n] ..
@@ -114,6 +140,10 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None,
     sequence is skipped, its o rows are 0). Returns o [B, T, HV, V]. No
     gradients. PyTorch: torch.ops.flashqla.recurrent (torch.compile and CUDA
     graphs work). JAX arrays are immutable: use flashqla.jax.gdn_recurrent."""
+    if _all_torch_tensors(q, k, v, g, beta, state):  # the decode hot path: straight to torch
+        return _torch_front().gdn_recurrent(q, k, v, g, beta, state, state_indices=state_indices,
+                                            scale=scale, cu_seqlens=cu_seqlens,
+                                            use_qk_l2norm=use_qk_l2norm)
     q, k, v, g, beta, state, state_indices, cu_seqlens = public_arrays(
         [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state),
          ("state_indices", state_indices), ("cu_seqlens", cu_seqlens)],
@@ -156,7 +186,7 @@ _FLA_DEFAULT_ONLY = {
 }
 
 
-def fla_chunk_options(**kwargs):
+def fla_chunk_options(**kwargs: Any) -> Dict[str, Any]:
     """The keywords of FLA's chunk_gated_delta_rule past q .. cu_seqlens, as
     gdn_chunk keywords: FLA's hints are ignored, so is anything FLA does not
     know either (FLA takes **kwargs); an option that changes the operator in
@@ -173,11 +203,16 @@ def fla_chunk_options(**kwargs):
     return {}
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm_in_kernel=False,
-                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                           chunk_indices=None, cp_context=None, **kwargs):
+def chunk_gated_delta_rule(q: Array, k: Array, v: Array, g: Array, beta: Array,
+                           scale: Optional[float] = None, initial_state: Optional[Array] = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                           use_beta_sigmoid_in_kernel: bool = False,
+                           allow_neg_eigval: bool = False, state_v_first: bool = False,
+                           cu_seqlens: Optional[Indices] = None,
+                           cu_seqlens_cpu: Optional[Indices] = None,
+                           chunk_indices: Optional[Indices] = None,
+                           cp_context: Optional[object] = None,
+                           **kwargs: Any) -> Tuple[Array, Optional[Array]]:
     """FLA's `fla.ops.gated_delta_rule.chunk_gated_delta_rule` (0.6.0), the
     same parameters in the same order, so FLA code runs unchanged:
     `from flashqla import chunk_gated_delta_rule`. Returns (o, final_state).
@@ -213,12 +248,19 @@ _FLA_RECURRENT_DEFAULT_ONLY = {
 }
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
-                                     initial_state=None, output_final_state=False,
-                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
-                                     allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, **kwargs):
+def fused_recurrent_gated_delta_rule(q: Array, k: Array, v: Array, g: Optional[Array] = None,
+                                     gk: Optional[Array] = None, gv: Optional[Array] = None,
+                                     beta: Optional[Array] = None, scale: Optional[float] = None,
+                                     initial_state: Optional[Array] = None,
+                                     output_final_state: bool = False,
+                                     use_qk_l2norm_in_kernel: bool = False,
+                                     use_gate_in_kernel: bool = False,
+                                     A_log: Optional[Array] = None,
+                                     dt_bias: Optional[Array] = None,
+                                     use_beta_sigmoid_in_kernel: bool = False,
+                                     allow_neg_eigval: bool = False, state_v_first: bool = False,
+                                     cu_seqlens: Optional[Indices] = None,
+                                     **kwargs: Any) -> Tuple[Array, Optional[Array]]:
     """FLA's `fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`
     (0.6.0), same arguments in the same order: the token-by-token recurrence
     from initial_state, returning (o [B, T, HV, V], final_state [N, HV, K, V]

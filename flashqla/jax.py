@@ -29,6 +29,11 @@ state_indices [N]. Shapes and dtypes are checked when the call is traced
 the computation, with flashqla's message.
 """
 
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+
 import functools
 
 import numpy as np
@@ -43,6 +48,7 @@ except ImportError as _err:  # pragma: no cover - the test extras install jax
 from . import _C
 from ._frameworks import JAX, _numpy_index, scale_of
 from ._prepared import ChunkContext
+from ._typing import Array, Indices
 
 __all__ = ["gdn_chunk", "gdn_recurrent", "gdn_chunk_fwd", "gdn_chunk_bwd"]
 
@@ -233,8 +239,10 @@ _chunk.defvjp(_chunk_vjp_fwd, _chunk_vjp_bwd)
 
 # ------------------------------------------------------------------ public --
 
-def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm=False):
+def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
+              scale: Optional[float] = None, initial_state: Optional[Array] = None,
+              output_final_state: bool = False, cu_seqlens: Optional[Indices] = None,
+              use_qk_l2norm: bool = False) -> Tuple[Array, Optional[Array]]:
     """flashqla.gdn_chunk for JAX: the chunked forward as an XLA custom call,
     differentiable (jax.custom_vjp; the backward is the C backward).
 
@@ -248,10 +256,14 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     return _chunk(q, k, v, g, beta, h0, cu, opts)
 
 
-def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seqlens=None,
-                  use_qk_l2norm=False):
+def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
+                  state_indices: Optional[Indices] = None, scale: Optional[float] = None,
+                  cu_seqlens: Optional[Indices] = None,
+                  use_qk_l2norm: bool = False) -> Tuple[Array, Array]:
     """flashqla.gdn_recurrent for JAX, which has no in-place update: returns
-    (o [B, T, HV, V], new_state [P, HV, K, V]).
+    (o [B, T, HV, V], new_state [P, HV, K, V]). q, k [B, T, H, K];
+    v [B, T, HV, V]; g, beta [B, T, HV]; state [P, HV, K, V]; state_indices
+    [N]; cu_seqlens [N + 1] (B == 1).
 
     new_state is aliased to `state` (donate the pool under jax.jit and it is
     updated in place). Sequence n starts from slot state_indices[n] (slot n
@@ -284,9 +296,13 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
     return o, new_state
 
 
-def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, use_qk_l2norm=False):
-    """flashqla.gdn_chunk_fwd for JAX arrays: (o, final_state, ctx), no autodiff."""
+def gdn_chunk_fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
+                  scale: Optional[float] = None, initial_state: Optional[Array] = None,
+                  output_final_state: bool = False, cu_seqlens: Optional[Indices] = None,
+                  use_qk_l2norm: bool = False) -> Tuple[Array, Optional[Array], ChunkContext]:
+    """flashqla.gdn_chunk_fwd for JAX arrays: (o, final_state, ctx), no autodiff.
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N + 1]."""
     grad_dtypes = tuple(None if x is None else _dtype(jnp.asarray(x))
                         for x in (g, beta, initial_state))
     q, k, v, g, beta, cu, N = _prepare(q, k, v, g, beta, cu_seqlens)
@@ -298,8 +314,11 @@ def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     return o, ht, ctx
 
 
-def gdn_chunk_bwd(ctx, do, dfinal_state=None):
-    """flashqla.gdn_chunk_bwd for a context of gdn_chunk_fwd on JAX arrays."""
+def gdn_chunk_bwd(ctx: ChunkContext, do: Array,
+                  dfinal_state: Optional[Array] = None) -> Tuple[Array, Array, Array, Array, Array, Optional[Array]]:
+    """flashqla.gdn_chunk_bwd for a context of gdn_chunk_fwd on JAX arrays:
+    do [B, T, HV, V], dfinal_state [N, HV, K, V] (or None); returns dq, dk
+    [B, T, H, K], dv [B, T, HV, V], dg, dbeta [B, T, HV], dinitial_state."""
     q, k, v, g, beta, h0, cu = ctx.inputs
     do = _array(do, "do")
     if tuple(do.shape) != tuple(v.shape):

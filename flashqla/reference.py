@@ -56,7 +56,7 @@ _OUT_NAMES = ("o", "ht", "out", "final_state", "state", "new_state", "pool")
 _GRAD_NAMES = ("grad", "dq", "dk", "dv", "dbeta", "dh0")
 
 
-def tolerance(dtype_name, what):
+def tolerance(dtype_name: str, what: str) -> float:
     """The tolerance for inputs of dtype `dtype_name` ("bfloat16", "float16",
     "float32", "float64"); `what` is "o", "ht" (or "out", "final_state",
     "state"), "dg", or a gradient name "dq", "dk", "dv", "dbeta", "dh0"."""
@@ -72,7 +72,7 @@ def tolerance(dtype_name, what):
     raise ValueError(f"tolerance: unknown quantity {what!r}")
 
 
-def rel_error(out, ref):
+def rel_error(out, ref) -> float:
     """||out - ref||_2 / ||ref||_2 in float64 (||out - ref|| when ref is 0);
     inf when out holds NaN or Inf. NumPy arrays (or anything np.asarray takes)."""
     out = np.asarray(out, dtype=np.float64)
@@ -86,7 +86,7 @@ def rel_error(out, ref):
     return num / den if den > 0 else num
 
 
-def c_header():
+def c_header() -> str:
     """The table as a C header for the checkers in dev/cpu (generated, never edited)."""
     codes = {"float32": "FQ_F32", "float16": "FQ_F16", "bfloat16": "FQ_BF16", "float64": "FQ_F64"}
     lines = ["/* Generated from flashqla/reference.py (TOLERANCES) by dev/Makefile: do not edit. */",
@@ -235,7 +235,9 @@ def _prepare(q, k, use_qk_l2norm):
 
 def forward(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
             use_qk_l2norm=False):
-    """Returns (o [B,T,HV,V], final_state [N,HV,K,V]), both float64."""
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N + 1]. Returns (o [B,T,HV,V], final_state
+    [N,HV,K,V]), both float64."""
     q, k, v, g, beta = (_f64(x) for x in (q, k, v, g, beta))
     B, T, H, HV, K, V = _shapes(q, k, v, g, beta)
     scale = K ** -0.5 if scale is None else float(scale)
@@ -253,7 +255,9 @@ def forward(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
 
 def backward(q, k, v, g, beta, do, *, dfinal_state=None, scale=None, initial_state=None,
              cu_seqlens=None, use_qk_l2norm=False):
-    """Gradients of L = <o, do> + <final_state, dfinal_state> with respect to
+    """q, k [B, T, H, K]; v, do [B, T, HV, V]; g, beta [B, T, HV];
+    initial_state, dfinal_state [N, HV, K, V]; cu_seqlens [N + 1].
+    Gradients of L = <o, do> + <final_state, dfinal_state> with respect to
     (q, k, v, g, beta, initial_state), float64. dq, dk are summed over each GVA
     head group and taken through the l2norm when use_qk_l2norm is set. The
     last entry is the gradient of the initial state (of the zero state when
@@ -285,7 +289,9 @@ def backward(q, k, v, g, beta, do, *, dfinal_state=None, scale=None, initial_sta
 
 def recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seqlens=None,
               use_qk_l2norm=False):
-    """The recurrent step against a state pool [P,HV,K,V]: sequence n starts
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; state_indices
+    [N]; cu_seqlens [N + 1]. The recurrent step against a state pool
+    [P,HV,K,V]: sequence n starts
     from slot state_indices[n] (n without indices) and writes its final state
     back there; a negative slot is padding (o rows 0, pool untouched). Returns
     (o, new_pool) and leaves `state` unchanged."""

@@ -16,11 +16,12 @@ BINDING = os.path.join(ROOT, "csrc", "python")
 
 # module -> the flashqla modules it may import (directly or lazily)
 ALLOWED = {
+    "_typing": set(),
     "_frameworks": {"_C"},
-    "_prepared": {"_C", "_frameworks"},
-    "_torch": {"_C", "_frameworks", "_prepared"},
-    "jax": {"_C", "_frameworks", "_prepared"},
-    "distributed": {"_C", "_frameworks", "_prepared"},
+    "_prepared": {"_C", "_frameworks", "_typing"},
+    "_torch": {"_C", "_frameworks", "_prepared", "_typing"},
+    "jax": {"_C", "_frameworks", "_prepared", "_typing"},
+    "distributed": {"_C", "_frameworks", "_prepared", "_typing"},
     "reference": set(),
 }
 
@@ -133,3 +134,20 @@ def _readme_layout():
 def test_readme_layout_lists_every_folder():
     missing = sorted(_source_dirs() - _readme_layout())
     assert not missing, f"README.md's Layout does not list: {missing}"
+
+
+def test_every_public_function_documents_its_input_shapes():
+    import flashqla
+    from flashqla import reference
+    fns = [getattr(flashqla, n) for n in flashqla.__all__
+           if callable(getattr(flashqla, n)) and not isinstance(getattr(flashqla, n), type)]
+    fns += [reference.forward, reference.backward, reference.recurrent]
+    try:
+        import flashqla.jax as fqj
+        fns += [getattr(fqj, n) for n in fqj.__all__]
+    except ImportError:
+        pass
+    for fn in fns:
+        doc = fn.__doc__ or ""
+        for shape in ("[B, T, H, K]", "[B, T, HV, V]", "[B, T, HV]"):
+            assert shape in doc, f"{fn.__module__}.{fn.__name__}: docstring lacks {shape}"

@@ -20,6 +20,10 @@ chunk_gated_delta_rule refuses, see flashqla.chunk_gated_delta_rule).
 Anything else goes on to the next backend, with FLA's reason logged.
 """
 
+from __future__ import annotations
+
+from typing import Any, Optional
+
 import inspect
 
 import flashqla
@@ -41,7 +45,7 @@ def _bind(args, kwargs):
     return bound
 
 
-def rejection(*args, **kwargs):
+def rejection(*args: Any, **kwargs: Any) -> Optional[str]:
     """Why flashqla cannot run this chunk_gated_delta_rule call (a sentence),
     or None when it can. Reads shapes, dtypes, devices and options only."""
     a = _bind(args, kwargs)
@@ -67,7 +71,7 @@ def rejection(*args, **kwargs):
     return None
 
 
-def register(priority=PRIORITY):
+def register(priority: int = PRIORITY) -> Any:
     """Registers flashqla as a backend of FLA's gated_delta_rule operation
     (needs fla-core >= 0.6.0, with its backend registry). Returns the
     backend object FLA holds; calling it again replaces it."""
@@ -100,7 +104,7 @@ def register(priority=PRIORITY):
     return _get_operation_registry("gated_delta_rule")._backends[BACKEND_TYPE]
 
 
-def signature_matches_fla():
+def signature_matches_fla() -> bool:
     """True when flashqla.chunk_gated_delta_rule takes FLA's installed
     chunk_gated_delta_rule's parameters in the same order (a check for tests
     and for users upgrading FLA)."""

@@ -23,6 +23,10 @@ Decoding keeps transformers' cache: the recurrent function returns the new
 state (float32 [B, HV, K, V]) and transformers stores it, as with FLA.
 """
 
+from __future__ import annotations
+
+from typing import List
+
 import importlib
 
 import flashqla
@@ -79,24 +83,24 @@ def _revert(family):
             setattr(module, fname, fn)
 
 
-def apply_to_qwen3_next(chunk=True, recurrent=True):
+def apply_to_qwen3_next(chunk: bool = True, recurrent: bool = True) -> List[str]:
     """Runs flashqla in transformers' Qwen3-Next GatedDeltaNet layers: the
     chunked forward/backward (chunk=True) and the cached decoding step
     (recurrent=True). Returns the patched module names."""
     return _apply("qwen3_next", chunk, recurrent)
 
 
-def apply_to_qwen3_5(chunk=True, recurrent=True):
+def apply_to_qwen3_5(chunk: bool = True, recurrent: bool = True) -> List[str]:
     """The same for Qwen3.5 (dense and MoE), where the installed transformers
     has them. Returns the patched module names."""
     return _apply("qwen3_5", chunk, recurrent)
 
 
-def revert_qwen3_next():
+def revert_qwen3_next() -> None:
     """Puts back what apply_to_qwen3_next replaced."""
     _revert("qwen3_next")
 
 
-def revert_qwen3_5():
+def revert_qwen3_5() -> None:
     """Puts back what apply_to_qwen3_5 replaced."""
     _revert("qwen3_5")
