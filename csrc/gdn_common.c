@@ -141,6 +141,7 @@ static fq_status check_aliasing(const fq_gdn_params *p, char op)
         FQ_EXT("initial_state", p->h0, stN, 0);
         FQ_EXT("o", p->o, vo, 1);
         FQ_EXT("final_state", p->ht, stN, 1);
+        FQ_EXT("state", p->state, sat_mul((uint64_t)p->P, st1), 1); /* a pool-indexed prefill */
     } else if (op == 'b') {
         FQ_EXT("initial_state", p->h0, stN, 0);
         FQ_EXT("do", p->dout, vo, 0);

@@ -35,9 +35,8 @@ def _run_cases(ids):
     """Results of `ids` from child processes: id -> {"exc", "msg"} or
     {"crash": text}. A crash ends its process; the rest runs in the next."""
     todo = list(ids)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), HERE,
-                                                    env.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ)  # the children import what this process imports
+    env["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in sys.path if p])
     while todo:
         proc = subprocess.run([sys.executable, os.path.join(HERE, "bad_argument_cases.py")] + todo,
                               capture_output=True, text=True, env=env, timeout=600)

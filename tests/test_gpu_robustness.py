@@ -160,6 +160,28 @@ def test_cuda_nan_does_not_reach_earlier_chunks(field):
         assert np.isfinite(o[0, :, 1]).all()      # value head 1 untouched
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known limit of the current CUDA chunk kernels (issue 9): the tensor-core products "
+    "over a chunk (stage A: A diag(b) V, A diag(b e^g) K; stage C: lower(Q K^T o Gamma) Vn) "
+    "multiply the structural zeros above the diagonal by the NaN rows of later tokens, "
+    "so a NaN reaches earlier outputs of its own 64-token chunk. When this passes, "
+    "drop the xfail."))
+@pytest.mark.parametrize("field", ["v", "k", "beta"])
+def test_cuda_nan_does_not_reach_earlier_tokens_of_its_chunk(field):
+    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4)
+    tok = 150                                     # chunk 2 (tokens 128..191)
+    if field in ("v", "k"):
+        inp[field][0, tok, 0, 1] = np.nan
+    else:
+        inp[field][0, tok, 0] = np.nan
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    o, _ = c_chunk_fwd(t)
+    o = to_f64(o)
+    ref = _reference(t)["o"]
+    assert np.isfinite(o[0, :tok]).all()
+    assert rel_error(o[0, :tok], ref[0, :tok]) <= TOL_BF16_OUT
+
+
 def _reset(g, kind):
     if kind == "mid":
         g[0, 30, 0] = -np.inf

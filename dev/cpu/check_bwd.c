@@ -215,9 +215,16 @@ static int check_errors(void)
     printf("%s errors: missing outputs / dh0 rejected (\"%s\")\n", fail ? "FAIL" : "ok  ",
            fq_last_error());
     /* scratch that cannot exist (2^48 state elements per chunk): FQ_ERR_NOMEM,
-     * before any input is read */
+     * before any output is touched. The outputs (64 MiB each at these sizes)
+     * get addresses of their own, apart from the inputs and each other (the
+     * core refuses written buffers that overlap anything, gdn_common.c); they
+     * are never dereferenced. The one gate read (g <= 0) reads buf. */
     p.h0 = NULL;
     p.T = 1; p.K = (int64_t)1 << 24; p.V = (int64_t)1 << 24;
+    {
+        void **outs[5] = {&p.dq, &p.dk, &p.dv, &p.dg, &p.dbeta};
+        for (int i = 0; i < 5; i++) *outs[i] = (void *)(uintptr_t)(((uint64_t)0x1000 + 2 * i) << 32);
+    }
     fq_status st = fq_cpu_chunk_bwd(&p);
     int fail2 = st != FQ_ERR_NOMEM;
     printf("%s errors: huge scratch -> FQ_ERR_NOMEM (\"%s\")\n", fail2 ? "FAIL" : "ok  ",
