@@ -267,7 +267,14 @@ def test_recurrent_decode_loop_in_scan():
         o, pool = fqj.gdn_recurrent(*x, pool, state_indices=idx)
         return pool, o[:, 0]
 
-    pool, os = jax.jit(lambda p: jax.lax.scan(body, p, xs), donate_argnums=0)(pool0 + 0)
+    run = jax.jit(lambda p: jax.lax.scan(body, p, xs), donate_argnums=0)
+    compiled = run.lower(pool0).compile().as_text()
+    assert not [line for line in compiled.splitlines()
+                if " copy(" in line and "f32[3,2,16,16]" in line], "the carried pool is copied"
+    donated = pool0 + 0
+    ptr = donated.unsafe_buffer_pointer()
+    pool, os = run(donated)
+    assert donated.is_deleted() and pool.unsafe_buffer_pointer() == ptr  # one buffer throughout
     o_ref, pool_ref = reference.recurrent(*(inp[n] for n in ("q", "k", "v", "g", "beta")),
                                           np.asarray(pool0), state_indices=[2, 0])
     assert_close("o", jnp.moveaxis(os, 0, 1), o_ref, TOL32)
