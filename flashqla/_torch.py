@@ -16,7 +16,8 @@ autograd and CUDA graphs see flashqla as one opaque op each:
 Each has a fake (meta) kernel giving output shapes and dtypes without
 running, chunk_fwd has its autograd formula (register_autograd: the
 backward is chunk_bwd, which recomputes every intermediate from the saved
-inputs). The real kernels call down into _prepared.py: on CUDA they launch
+inputs), and the forward and backward have vmap rules (torch.func.vmap folds
+the mapped axis into B). The real kernels call down into _prepared.py: on CUDA they launch
 on the current stream with scratch allocated by torch, so they can be
 captured in CUDA graphs.
 
@@ -96,6 +97,40 @@ def _chunk_bwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, do, dfinal_stat
             torch.empty_like(beta), dh0)
 
 
+def _vmap_batched(n, x, d):
+    """x with its mapped axis d first ([n, ...]); an unmapped x expanded to it."""
+    if x is None:
+        return None
+    return x.movedim(d, 0) if d is not None else x.expand(n, *x.shape)
+
+
+def _vmap_fold(x):
+    """[n, B, ...] -> [n * B, ...]: the mapped axis folded into the batch."""
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+@torch.library.register_vmap("flashqla::chunk_bwd")
+def _chunk_bwd_vmap(info, in_dims, q, k, v, g, beta, h0, cu, do, dht, scale, use_qk_l2norm):
+    """torch.func.vmap of the backward (vmap of grad: per-sample gradients):
+    the mapped axis folded into B and N as in the forward's vmap."""
+    n = info.batch_size
+    names = (q, k, v, g, beta, h0, None, do, dht)
+    xs = [_vmap_batched(n, x, d) for x, d in zip(names, in_dims)]
+    if cu is not None:
+        if in_dims[6] is not None:
+            raise ValueError("cu_seqlens: torch.func.vmap over cu_seqlens is not supported")
+        outs = [torch.ops.flashqla.chunk_bwd(*[None if x is None else x[i] for x in xs[:6]], cu,
+                                             xs[7][i], None if xs[8] is None else xs[8][i],
+                                             scale, use_qk_l2norm) for i in range(n)]
+        return tuple(torch.stack(list(gs)) for gs in zip(*outs)), (0,) * 6
+    f = [_vmap_fold(x) for x in xs]
+    grads = torch.ops.flashqla.chunk_bwd(*f[:6], None, f[7], f[8], scale, use_qk_l2norm)
+    out = tuple(x.reshape(n, -1, *x.shape[1:]) for x in grads[:5])
+    if h0 is not None:
+        return out + (grads[5].reshape(n, -1, *grads[5].shape[1:]),), (0,) * 6
+    return out + (grads[5],), (0, 0, 0, 0, 0, None)
+
+
 # ----------------------------------------------------- autograd of chunk_fwd --
 
 def _chunk_setup_context(ctx, inputs, output):
@@ -140,6 +175,27 @@ class _ChunkFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         return _chunk_backward(ctx, do, dht)
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm):
+        """torch.func.vmap: the mapped axis folded into the batch B (and N),
+        one call for the whole vmap; with cu_seqlens (B == 1 packed), one
+        call per member."""
+        n = info.batch_size
+        xs = [_vmap_batched(n, x, d) for x, d in zip((q, k, v, g, beta, h0), in_dims[:6])]
+        if cu is not None:
+            if in_dims[6] is not None:
+                raise ValueError("cu_seqlens: torch.func.vmap over cu_seqlens is not supported "
+                                 "(pack the sequences into one call instead)")
+            outs = [_ChunkFunction.apply(*[None if x is None else x[i] for x in xs], cu, scale,
+                                         output_final_state, use_qk_l2norm) for i in range(n)]
+            return (torch.stack([o for o, _ in outs]), torch.stack([h for _, h in outs])), (0, 0)
+        o, ht = _ChunkFunction.apply(*[_vmap_fold(x) for x in xs], None, scale,
+                                     output_final_state, use_qk_l2norm)
+        o = o.reshape(n, -1, *o.shape[1:])
+        if output_final_state:
+            return (o, ht.reshape(n, -1, *ht.shape[1:])), (0, 0)
+        return (o, ht), (0, None)  # the [0] placeholder is not mapped
 
 
 # ----------------------------------------------------------------- recurrent --
@@ -211,8 +267,9 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
     scale = scale_of(scale, q)
     args = (q, k, v, g, beta, h0, cu, scale, bool(output_final_state), bool(use_qk_l2norm))
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:6]):
-        o, ht = _ChunkFunction.apply(*args)
+    if torch._C._are_functorch_transforms_active() or (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:6])):
+        o, ht = _ChunkFunction.apply(*args)  # autograd, torch.func (grad, vmap)
     else:
         o, ht = torch.ops.flashqla.chunk_fwd(*args)
     return o, (ht if output_final_state else None)
