@@ -226,6 +226,12 @@ template <int N> static __device__ __forceinline__ void fq_cp_async_wait(void)
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
+/* bar.sync on named barrier id (1..15; 0 is __syncthreads) among nthreads (a multiple of 32). */
+static __device__ __forceinline__ void fq_named_bar(int id, int nthreads)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
 /* ----------------------------------------------------- chunk table ---- */
 
 /* One entry per chunk (grid bound nc_max; entries past the real count have
@@ -267,7 +273,10 @@ typedef struct fq_fwd_ws {
     fq_bf16 *vn;             /* [nc_max, HV, 64, V]  Vn = U - W h              */
     fq_bf16 *a;              /* [nc_max, HV, 64, 64] A = (I+L)^-1, written by
                                 fq_cuda_fwd_wy only when non-NULL; the forward
-                                leaves it NULL (for the backward's use)     */
+                                leaves it NULL (for the backward's use);
+                                the fused forward's stage A writes it      */
+    float4 *rec;             /* fused forward: [nc_max, HV, 64] per-token
+                                {gamma, beta, rk, rq} (NULL otherwise)     */
 } fq_fwd_ws;
 
 #ifdef __cplusplus
@@ -278,6 +287,19 @@ extern "C" {
  * its size in bytes (a multiple of 256). ws->a is set to NULL. Depends only
  * on the sizes and dtype of p. */
 size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
+
+/* The fused sm_90a forward's workspace (gdn_cuda_fwd_fused.cu): the chunk
+ * table, norms and bf16 copies as above, then a and rec; gamma, kdecay, w,
+ * u, h, vn are NULL. Returns its size (a multiple of 256). */
+size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
+/* 1 when the fused forward runs for p on the current device: an sm_90 GPU
+ * running this module's sm_90a code, K and V in {64, 128}. */
+int fq_cuda_fwd_fused_available(const fq_gdn_params *p);
+/* Stage A of the fused forward: gamma, A = (I+L)^-1 (bf16 into ws->a) and
+ * the gate record ws->rec per (chunk, value head). */
+fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* The fused state pass and outputs: o and, if non-NULL, ht. */
+fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 
 /* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}; dtype not
  * F64). Returns FQ_OK or a failure with the message set. */

@@ -93,11 +93,9 @@ static void *fq_carve(char *base, size_t *off, size_t bytes)
     return p;
 }
 
-extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+/* The part both forwards share: chunk table, norms, bf16 copies. */
+static size_t fq_fwd_ws_common(const fq_gdn_params *p, char *base, fq_fwd_ws *ws)
 {
-    char *base = (char *)base_;
-    fq_fwd_ws tmp;
-    if (!ws) ws = &tmp;
     memset(ws, 0, sizeof *ws);
     int64_t B = p->B, T = p->T, H = p->H, HV = p->HV, K = p->K, V = p->V, N = p->N;
     int64_t nct = (T + FQ_CHUNK - 1) / FQ_CHUNK;
@@ -128,6 +126,16 @@ extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_
         ws->kb = (const fq_bf16 *)p->k;
         ws->vb = (const fq_bf16 *)p->v;
     }
+    return off;
+}
+
+extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+{
+    char *base = (char *)base_;
+    fq_fwd_ws tmp;
+    if (!ws) ws = &tmp;
+    size_t off = fq_fwd_ws_common(p, base, ws);
+    const int64_t nc = ws->nc_max, HV = p->HV, K = p->K, V = p->V;
     ws->gamma = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 4);
     ws->kdecay = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 4);
     ws->w = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * K) * 2);
@@ -135,6 +143,18 @@ extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_
     ws->h = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * K * V) * 2);
     ws->vn = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * V) * 2);
     ws->a = NULL;
+    return off;
+}
+
+extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+{
+    char *base = (char *)base_;
+    fq_fwd_ws tmp;
+    if (!ws) ws = &tmp;
+    size_t off = fq_fwd_ws_common(p, base, ws);
+    const int64_t nc = ws->nc_max, HV = p->HV;
+    ws->a = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * FQ_CHUNK) * 2);
+    ws->rec = (float4 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 16);
     return off;
 }
 
@@ -373,14 +393,35 @@ extern "C" fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(c
     return st;
 }
 
+/* The fused forward where the current device runs it (asked without a
+ * device switch: the binding sizes the workspace before the call), else the
+ * three-stage forward, whose workspace is larger. */
 extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
 {
+    if (fq_cuda_fwd_fused_available(p)) return fq_cuda_fwd_fused_ws_layout(p, NULL, NULL);
     return fq_cuda_fwd_ws_layout(p, NULL, NULL);
+}
+
+/* Fused forward: 0. as below, A. gamma and A = (I+L)^-1 per chunk, B+C. the
+ * state pass with the outputs (gdn_cuda_fwd_fused.cu). */
+static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
+{
+    cudaStream_t stream = (cudaStream_t)p->stream;
+    fq_fwd_ws ws;
+    fq_cuda_fwd_fused_ws_layout(p, p->workspace, &ws);
+    fq_status st;
+    if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_inverse(p, &ws, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_fused(p, &ws, stream)) != FQ_OK) return st;
+    return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, stream);
 }
 
 static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *p)
 {
     cudaStream_t stream = (cudaStream_t)p->stream;
+    if (fq_cuda_fwd_fused_available(p) && p->workspace &&
+        p->workspace_bytes >= fq_cuda_fwd_fused_ws_layout(p, NULL, NULL))
+        return fq_chunk_fwd_fused(p);
     fq_status st = fq_cuda_check_workspace(p, fq_cuda_fwd_ws_layout(p, NULL, NULL));
     if (st != FQ_OK) return st;
     fq_fwd_ws ws;

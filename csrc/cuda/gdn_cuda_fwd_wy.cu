@@ -26,10 +26,11 @@ struct fq_wy_args {
     const fq_bf16 *kb, *vb;
     const void *g, *beta;
     fq_dtype gate_dtype;
-    const float *rk;
+    const float *rk, *rq;
     int H, HV;
     float *gamma, *kdecay;
     fq_bf16 *w, *u, *a;
+    float4 *rec; /* fq_fwd_inverse_kernel: per-token gate record {gamma, beta, rk, rq} */
 };
 
 /* ------------------------------------------------------------------ v2 ----
@@ -397,6 +398,8 @@ static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
     args.beta = p->beta;
     args.gate_dtype = p->gate_dtype;
     args.rk = ws->rk;
+    args.rq = ws->rq;
+    args.rec = NULL;
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.gamma = ws->gamma;
@@ -655,6 +658,280 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
     if (p->K == 128 && p->V == 64) return fq_launch_wy3<128, 64>(args, items, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy3<64, 128>(args, items, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy3<64, 64>(args, items, stream);
+    return fq_cuda_head_dims_unsupported(p);
+}
+
+/* ------------------------------------------------------------- inverse ----
+ *
+ * fq_fwd_inverse_kernel: stage A of the fused sm_90a forward
+ * (gdn_cuda_fwd_fused.cu), which forms W, U itself: per (chunk, value head)
+ * only
+ *
+ *     gamma = cumsum(g),  L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk))
+ *     A     = (I + L)^-1                       bf16 [64][64], zeros above the diagonal
+ *     rec_r = {gamma_r, beta_r, rk_r, rq_r}    the gate record the fused kernel reads
+ *
+ * Everything stays in registers and tensor cores (v2 and v3 above solve the
+ * off-diagonal blocks in fp32 FFMA from shared memory, warp 0 doing most of
+ * them): warp w holds block row w of L as mma.sync accumulators (rows
+ * 16w..16w+15), and A is built by the 2x2 block rule
+ * [P 0; Q R]^-1 = [P^-1 0; -R^-1 Q P^-1  R^-1] at 32 and then 64 rows:
+ *
+ *   D_w  = (I + L_ww)^-1                   every warp, fp32 forward substitution (lanes = columns)
+ *   A_10 = -D_1 (L_10 D_0)                 warp 1    } level 1
+ *   A_32 = -D_3 (L_32 D_2)                 warp 3    }
+ *   T_w  = [L_w0 L_w1] Inv0, Inv0 = [D_0 0; A_10 D_1]        warps 2, 3 } level 2
+ *   A_2j = -D_2 T_2j,  A_3j = -(A_32 T_2j + D_3 T_3j)       (j = 0, 1) }
+ *
+ * The block products take bf16 operands and accumulate in fp32 (the
+ * numerics were simulated against the float64 reference before this was
+ * written: dev/cuda/sim_fwd_fused_numerics.py, +1 % on the forward's error).
+ * Shared memory (37 KB at K = 128): the K tile, the diagonal blocks in fp32,
+ * A in bf16 (upper blocks zero, so block products may run over them), and
+ * one bf16 scratch tile per warp for the right factor of its products. */
+template <int K> struct fq_inv_smem {
+    static constexpr int LDK = K + 8, LDA = 72, LDX = 40, LDD = 20;
+    static constexpr int off_k = 0;
+    static constexpr int off_a = off_k + 64 * LDK * 2;
+    static constexpr int off_x = off_a + 64 * LDA * 2;
+    static constexpr int off_d = off_x + 4 * 16 * LDX * 2;
+    static constexpr int off_vec = off_d + 4 * 16 * LDD * 4;
+    static constexpr int bytes = off_vec + 4 * 64 * 4;
+};
+
+/* d (+)= a b for a 16x16 left factor a (A fragment) and the 16 x 8n right
+ * factor at (k0, n0) of a bf16 [k][n] tile (ld elements): NB8 n8 blocks. */
+template <int NB8>
+static __device__ __forceinline__ void fq_inv_mm(float (*d)[4], const uint32_t a[4], const fq_bf16 *s, int ld, int k0,
+                                                 int n0)
+{
+#pragma unroll
+    for (int n2 = 0; n2 < NB8 / 2; n2++) {
+        uint32_t b[4];
+        fq_frag_b_kn(b, s, ld, k0, n0 + 16 * n2);
+        fq_mma_bf16(d[2 * n2], a, b[0], b[1]);
+        fq_mma_bf16(d[2 * n2 + 1], a, b[2], b[3]);
+    }
+}
+
+/* C fragments of two n8 blocks (16 x 16) -> the bf16 A fragment, times s. */
+static __device__ __forceinline__ void fq_inv_c2a(uint32_t a[4], const float (*c)[4], float s)
+{
+    a[0] = fq_pack_bf16(s * c[0][0], s * c[0][1]);
+    a[1] = fq_pack_bf16(s * c[0][2], s * c[0][3]);
+    a[2] = fq_pack_bf16(s * c[1][0], s * c[1][1]);
+    a[3] = fq_pack_bf16(s * c[1][2], s * c[1][3]);
+}
+
+/* Column block b (n8 blocks 2b, 2b+1) of a warp's block row, b chosen at run
+ * time without indexing registers dynamically (which would put l in local
+ * memory). */
+static __device__ __forceinline__ void fq_inv_pick(float (*out)[4], const float (*l)[4], int b)
+{
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if ((n >> 1) == b) out[n & 1][e] = l[n][e];
+}
+
+/* C fragments of NB8 n8 blocks (16 rows) -> bf16 tile rows 0..15 at column c0. */
+template <int NB8>
+static __device__ __forceinline__ void fq_inv_store_c(fq_bf16 *s, int ld, int c0, const float (*c)[4], float sc)
+{
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NB8; n++) {
+        *(uint32_t *)(s + gq * ld + c0 + 8 * n + 2 * tq) = fq_pack_bf16(sc * c[n][0], sc * c[n][1]);
+        *(uint32_t *)(s + (gq + 8) * ld + c0 + 8 * n + 2 * tq) = fq_pack_bf16(sc * c[n][2], sc * c[n][3]);
+    }
+}
+
+template <int K>
+__global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args)
+{
+    typedef fq_inv_smem<K> SM;
+    extern __shared__ __align__(16) unsigned char smem[];
+    fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
+    fq_bf16 *Ab = (fq_bf16 *)(smem + SM::off_a);
+    fq_bf16 *Xs = (fq_bf16 *)(smem + SM::off_x);
+    float *Ld = (float *)(smem + SM::off_d);
+    float *gam = (float *)(smem + SM::off_vec);
+    float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
+
+    const int HV = args.HV;
+    const int chunk = blockIdx.x / HV, j = blockIdx.x % HV;
+    fq_pdl_trigger();
+    fq_pdl_wait();
+    const fq_chunk_info ci = args.chunks[chunk];
+    if (ci.seq < 0) return;
+    const int hq = j / (HV / args.H);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+
+    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        const fq_bf16 *src = args.kb;
+        int bytes = 0;
+        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
+        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
+    }
+    fq_cp_async_commit();
+    /* A starts as zeros: the blocks above the diagonal stay zero */
+    for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
+    if (warp == 0) {
+        float gv[2], bv[2], rv[2];
+        fq_wy_gates(args, ci, j, gv, bv, rv);
+        fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
+    }
+    fq_cp_async_wait<0>();
+    __syncthreads();
+
+    /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
+     * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
+    float l[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) l[n][0] = l[n][1] = l[n][2] = l[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        uint32_t a[4];
+        fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
+#pragma unroll
+        for (int n2 = 0; n2 < 4; n2++) {
+            if (n2 > warp) continue;
+            uint32_t b[4];
+            fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
+            fq_mma_bf16(l[2 * n2], a, b[0], b[1]);
+            fq_mma_bf16(l[2 * n2 + 1], a, b[2], b[3]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int r = 16 * warp + gq + 8 * (e >> 1), c = 8 * n + 2 * tq + (e & 1);
+            l[n][e] = (c < r) ? bet[r] * rkv[r] * rkv[c] * __expf(gam[r] - gam[c]) * l[n][e] : 0.f;
+        }
+    }
+
+    /* D_w = (I + L_ww)^-1: lane c < 16 solves column c,
+     * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c] */
+    float *Lw = Ld + warp * 16 * SM::LDD;
+    {
+        float lw[2][4];
+        fq_inv_pick(lw, l, warp);
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                float *dst = Lw + (gq + 8 * hr) * SM::LDD + 8 * h + 2 * tq;
+                dst[0] = lw[h][2 * hr];
+                dst[1] = lw[h][2 * hr + 1];
+            }
+    }
+    __syncwarp();
+    if (lane < 16) {
+        const int c = lane;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f;
+#pragma unroll
+            for (int jb = 0; jb < i; jb++) {
+                if (jb & 1) s1 -= Lw[i * SM::LDD + jb] * x[jb];
+                else s0 -= Lw[i * SM::LDD + jb] * x[jb];
+            }
+            x[i] = s0 + s1;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++) Ab[(16 * warp + i) * SM::LDA + 16 * warp + c] = __float2bfloat16_rn(x[i]);
+    }
+    __syncthreads();
+
+    /* level 1: A_w,w-1 = -D_w (L_w,w-1 D_w-1), warps 1 and 3 */
+    float a32[2][4]; /* warp 3: A_32 */
+    fq_bf16 *Xw = Xs + warp * 16 * SM::LDX;
+    if (warp & 1) {
+        float x[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        uint32_t a[4];
+        float lb[2][4];
+        fq_inv_pick(lb, l, warp - 1);
+        fq_inv_c2a(a, lb, 1.f);
+        fq_inv_mm<2>(x, a, Ab, SM::LDA, 16 * (warp - 1), 16 * (warp - 1));
+        fq_inv_store_c<2>(Xw, SM::LDX, 0, x, 1.f);
+        __syncwarp();
+        float y[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        fq_frag_a(a, Ab, SM::LDA, 16 * warp, 16 * warp);
+        fq_inv_mm<2>(y, a, Xw, SM::LDX, 0, 0);
+        fq_inv_store_c<2>(Ab + 16 * warp * SM::LDA, SM::LDA, 16 * (warp - 1), y, -1.f);
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) a32[n][e] = -y[n][e];
+    }
+    __syncthreads();
+
+    /* level 2: T_w = [L_w0 L_w1] Inv0 (Inv0 = A[0:32, 0:32], upper block zero),
+     * then A_2. = -D_2 T_2 (warp 2), A_3. = -(A_32 T_2 + D_3 T_3) (warp 3) */
+    if (warp >= 2) {
+        float t[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; n++) t[n][0] = t[n][1] = t[n][2] = t[n][3] = 0.f;
+#pragma unroll
+        for (int kb = 0; kb < 2; kb++) {
+            uint32_t a[4];
+            fq_inv_c2a(a, &l[2 * kb], 1.f);
+            fq_inv_mm<4>(t, a, Ab, SM::LDA, 16 * kb, 0);
+        }
+        fq_inv_store_c<4>(Xw, SM::LDX, 0, t, 1.f);
+        __syncwarp();
+        fq_named_bar(1, 64); /* T_2 (warp 2's scratch) visible to warp 3 */
+        const fq_bf16 *X2 = Xs + 2 * 16 * SM::LDX;
+        float y[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; n++) y[n][0] = y[n][1] = y[n][2] = y[n][3] = 0.f;
+        uint32_t a[4];
+        fq_frag_a(a, Ab, SM::LDA, 16 * warp, 16 * warp);
+        fq_inv_mm<4>(y, a, Xw, SM::LDX, 0, 0); /* D_w T_w */
+        if (warp == 3) {
+            fq_inv_c2a(a, a32, 1.f);
+            fq_inv_mm<4>(y, a, X2, SM::LDX, 0, 0); /* + A_32 T_2 */
+        }
+        fq_inv_store_c<4>(Ab + 16 * warp * SM::LDA, SM::LDA, 0, y, -1.f);
+    }
+    __syncthreads();
+
+    /* A (bf16, zeros above the diagonal) and the gate record */
+    const int64_t item = (int64_t)blockIdx.x; /* chunk * HV + j */
+    fq_bf16 *ag = args.a + item * 64 * 64;
+    for (int idx = tid; idx < 64 * 8; idx += 128) {
+        int r = idx >> 3, c = (idx & 7) * 8;
+        *(uint4 *)(ag + r * 64 + c) = *(const uint4 *)(Ab + r * SM::LDA + c);
+    }
+    if (tid < 64) {
+        float rq = 0.f;
+        if (tid < ci.len) rq = args.rq ? args.rq[(int64_t)(ci.row0 + tid) * args.H + hq] : 1.f;
+        args.rec[item * 64 + tid] = make_float4(gam[tid], bet[tid], rkv[tid], rq);
+    }
+}
+
+template <int K>
+static fq_status fq_launch_inverse(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+{
+    int bytes = fq_inv_smem<K>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K>, bytes);
+    if (st != FQ_OK) return st;
+    return fq_launch_k(fq_fwd_inverse_kernel<K>, (unsigned)blocks, 128, bytes, stream, fq_cuda_pdl_enabled(), args);
+}
+
+extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    int64_t blocks = ws->nc_max * p->HV;
+    if (blocks <= 0) return FQ_OK;
+    fq_wy_args args = fq_wy_args_of(p, ws);
+    args.rec = ws->rec;
+    if (p->K == 128) return fq_launch_inverse<128>(args, blocks, stream);
+    if (p->K == 64) return fq_launch_inverse<64>(args, blocks, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 

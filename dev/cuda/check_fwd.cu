@@ -44,6 +44,15 @@
 
 static int g_fail = 0;
 
+/* params of shape K = V = 128 (for fq_cuda_fwd_fused_available) */
+static const fq_gdn_params *NULL_SHAPE_128(void)
+{
+    static fq_gdn_params p;
+    fq_params_init(&p);
+    p.K = p.V = 128;
+    return &p;
+}
+
 /* ------------------------------------------------------------ random ---- */
 static int g_fast_rand = 0; /* timing inputs: a cheap stand-in with unit variance */
 static double randn(void)
@@ -244,13 +253,16 @@ static Dev upload(const Problem &pb, int cu64, size_t ws_bytes)
     return d;
 }
 
-/* upload() with the chunked forward's workspace, and p filled for it */
+/* upload() with a workspace for both forwards (the fused sm_90a one that
+ * fq_cuda_chunk_fwd runs on an H200, and the three stages the [bvNN]
+ * configurations call one by one), and p filled for it */
 static Dev upload_chunk(const Problem &pb, int cu64, fq_gdn_params *p)
 {
     Dev d0;
     memset(&d0, 0, sizeof d0);
     fill_params(pb, d0, p, cu64); /* sizes only: the workspace size */
-    Dev d = upload(pb, cu64, fq_cuda_chunk_fwd_workspace_bytes(p));
+    size_t ws = std::max(fq_cuda_chunk_fwd_workspace_bytes(p), fq_cuda_fwd_ws_layout(p, NULL, NULL));
+    Dev d = upload(pb, cu64, ws);
     fill_params(pb, d, p, cu64);
     return d;
 }
@@ -270,7 +282,7 @@ struct Cfg {
     const char *tag;
 };
 static const Cfg CFG_AUTO[] = {{0, 0, "auto"}};
-static const Cfg CFG_BV[] = {{16, 1, "bv16 ks1"}, {32, 1, "bv32 ks1"}, {64, 1, "bv64 ks1"},
+static const Cfg CFG_BV[] = {{0, 0, "auto"}, {16, 1, "bv16 ks1"}, {32, 1, "bv32 ks1"}, {64, 1, "bv64 ks1"},
                              {16, 2, "bv16 ks2"}, {32, 2, "bv32 ks2"}, {64, 2, "bv64 ks2"}};
 #define NCFG(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
@@ -579,6 +591,13 @@ static void run_stage(fq_gdn_params *p, const fq_fwd_ws *ws, int what)
     case 6: st = fq_cuda_fwd_state_v2x(p, ws, (float *)p->ht, g_time_bv, g_time_ks, s); break;
     case 8: st = fq_cuda_recurrent(p); break;
     case 9: st = fq_cuda_fwd_output(p, ws, s); break;
+    case 10: st = fq_cuda_fwd_inverse(p, ws, s); break;
+    case 11: st = fq_cuda_fwd_fused(p, ws, s); break;
+    case 12: /* the three-stage forward, as on GPUs without the fused kernel */
+        if ((st = fq_cuda_fwd_prepare(p, ws, s)) == FQ_OK && (st = fq_cuda_fwd_wy(p, ws, s)) == FQ_OK &&
+            (st = fq_cuda_fwd_state(p, ws, (float *)p->ht, 0, s)) == FQ_OK)
+            st = fq_cuda_fwd_output(p, ws, s);
+        break;
     }
     if (st != FQ_OK) { fprintf(stderr, "timed call failed: %s\n", fq_last_error()); exit(2); }
 }
@@ -586,12 +605,13 @@ static void run_stage(fq_gdn_params *p, const fq_fwd_ws *ws, int what)
 /* one row of the final table */
 struct TimeRow {
     char shape[48];
-    double fla, tot, prep, a, b[7], c; /* b: ks1 bv16/32/64, ks2 bv16/32/64, auto */
+    double fla, fqla, tot, prep, a, b[7], c; /* b: ks1 bv16/32/64, ks2 bv16/32/64, auto */
+    double old, inv, fused;            /* three-stage total; fused forward's stage A and main kernel */
 };
 static std::vector<TimeRow> g_rows;
 
 /* H/HV, nseq sequences of len tokens (varlen: one row, cu_seqlens) */
-static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms)
+static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms, double fqla_ms)
 {
     Problem pb = {};
     pb.B = varlen ? 1 : nseq; pb.T = varlen ? nseq * len : len; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
@@ -607,6 +627,7 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
     memset(&r, 0, sizeof r);
     snprintf(r.shape, sizeof r.shape, "%d/%d %s%dx%d", H, HV, varlen ? "varlen " : "", nseq, len);
     r.fla = fla_ms;
+    r.fqla = fqla_ms;
     r.tot = time_it(&p, &ws, 1, run_stage);
     r.prep = time_it(&p, &ws, 2, run_stage);
     r.a = time_it(&p, &ws, 4, run_stage);
@@ -617,10 +638,19 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
     }
     g_time_bv = g_time_ks = 0;
     r.c = time_it(&p, &ws, 9, run_stage);
+    r.old = time_it(&p, &ws, 12, run_stage);
+    if (fq_cuda_fwd_fused_available(&p)) {
+        fq_fwd_ws wsf;
+        fq_cuda_fwd_fused_ws_layout(&p, d.ws, &wsf);
+        r.inv = time_it(&p, &wsf, 10, run_stage);
+        r.fused = time_it(&p, &wsf, 11, run_stage);
+    }
     double tflops = 183e3 * (double)nseq * len * HV / (r.tot * 1e-3) / 1e12;
-    printf("  fwd %-22s total %.3f ms (%.1f TFLOP/s) | prepare %.3f | A %.3f | "
-           "B ks1 bv16 %.3f bv32 %.3f bv64 %.3f, ks2 bv16 %.3f bv32 %.3f bv64 %.3f, auto %.3f | C %.3f\n",
-           r.shape, r.tot, tflops, r.prep, r.a, r.b[0], r.b[1], r.b[2], r.b[3], r.b[4], r.b[5], r.b[6], r.c);
+    printf("  fwd %-22s total %.3f ms (%.1f TFLOP/s) | fused: inverse %.3f, main %.3f | three-stage %.3f: "
+           "prepare %.3f | A %.3f | B ks1 bv16 %.3f bv32 %.3f bv64 %.3f, ks2 bv16 %.3f bv32 %.3f bv64 %.3f, "
+           "auto %.3f | C %.3f\n",
+           r.shape, r.tot, tflops, r.inv, r.fused, r.old, r.prep, r.a, r.b[0], r.b[1], r.b[2], r.b[3], r.b[4],
+           r.b[5], r.b[6], r.c);
     fflush(stdout);
     g_rows.push_back(r);
     free_dev(d);
@@ -646,6 +676,62 @@ static void time_recurrent(int N, int H, int HV, int T)
     free_dev(d);
 }
 
+/* stage A of the fused forward (fq_cuda_fwd_inverse: A = (I+L)^-1 by
+ * bf16 block products, and the gate record) against stage A of the
+ * three-stage forward (fq_cuda_fwd_wy_v2 with ws->a set: fp32 blocks) */
+static void check_inverse(int K, int l2norm)
+{
+    Problem pb = {};
+    pb.B = 1; pb.T = 1193; pb.H = 4; pb.HV = 8; pb.K = K; pb.V = K;
+    pb.cu = {0, 1, 64, 128, 193, 193, 1193};
+    pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1; pb.l2norm = l2norm;
+    make_inputs(pb, 16.0);
+    fq_gdn_params p;
+    Dev d = upload_chunk(pb, 0, &p);
+    fq_fwd_ws wo, wf;
+    fq_cuda_fwd_ws_layout(&p, d.ws, &wo);
+    const size_t nit = (size_t)wo.nc_max * pb.HV, na = nit * 64 * 64;
+    fq_bf16 *a_old = NULL;
+    CK(cudaMalloc(&a_old, na * 2));
+    CK(cudaMemset(a_old, 0xff, na * 2));
+    wo.a = a_old;
+    fq_status st = fq_cuda_fwd_prepare(&p, &wo, 0);
+    if (st == FQ_OK) st = fq_cuda_fwd_wy_v2(&p, &wo, 0);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> A0 = download_typed(a_old, FQ_BF16, na), G0 = download_typed(wo.gamma, FQ_F32, nit * 64);
+    std::vector<fq_chunk_info> ch(wo.nc_max);
+    CK(cudaMemcpy(ch.data(), wo.chunks, ch.size() * sizeof(fq_chunk_info), cudaMemcpyDeviceToHost));
+    fq_cuda_fwd_fused_ws_layout(&p, d.ws, &wf);
+    CK(cudaMemset(wf.a, 0xff, na * 2));
+    if (st == FQ_OK) st = fq_cuda_fwd_prepare(&p, &wf, 0);
+    if (st == FQ_OK) st = fq_cuda_fwd_inverse(&p, &wf, 0);
+    CK(cudaDeviceSynchronize());
+    char name[96];
+    snprintf(name, sizeof name, "stage A inverse vs v2, K=%d%s, varlen", K, l2norm ? " l2norm" : "");
+    if (st != FQ_OK) {
+        printf("  %-46s FAIL status %d: %s\n", name, (int)st, fq_last_error());
+        g_fail = 1;
+    } else {
+        std::vector<float> A1 = download_typed(wf.a, FQ_BF16, na), R1 = download_typed(wf.rec, FQ_F32, nit * 256);
+        double num = 0, den = 0, gmax = 0, amax = 0;
+        for (size_t it = 0; it < nit; it++) {
+            if (ch[it / pb.HV].seq < 0) continue;
+            for (int e = 0; e < 64 * 64; e++) {
+                double x = A1[it * 4096 + e], y = A0[it * 4096 + e];
+                if (!isfinite(x)) num = INFINITY;
+                num += (x - y) * (x - y); den += y * y;
+                amax = std::max(amax, fabs(x - y));
+            }
+            for (int r = 0; r < 64; r++) gmax = std::max(gmax, (double)fabs(R1[(it * 64 + r) * 4] - G0[it * 64 + r]));
+        }
+        report(name, "A", sqrt(num / den), 1e-2);
+        printf("  %-46s max |dA| %.3e, max |dgamma| %.3e\n", "", amax, gmax);
+        if (!(gmax < 1e-3)) { g_fail = 1; printf("  gamma differs: FAIL\n"); }
+    }
+    cudaFree(a_old);
+    free_dev(d);
+}
+
 /* the chunked-forward correctness suite; cfgs: which variants */
 static void chunk_suite(int quick, int tiny, int race)
 {
@@ -659,6 +745,18 @@ static void chunk_suite(int quick, int tiny, int race)
         x.K = 64; x.V = 64; x.B = 1; x.T = 100;
         check_chunk("  K=V=64 T=100", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
         return;
+    }
+    {
+        /* a ladder of small problems: each adds one part of the fused kernel
+         * (one chunk without state: P and U; with h0: W S and Q S; two
+         * chunks: the state update; a short last chunk: the padding rows) */
+        Problem x = b; x.B = 1; x.H = 1; x.HV = 1;
+        x.T = 64; x.has_h0 = 0; check_chunk("ladder T=64 no h0", x, 4.0);
+        x.has_h0 = 1; check_chunk("ladder T=64 h0", x, 4.0);
+        x.T = 128; x.has_h0 = 0; check_chunk("ladder T=128 no h0", x, 4.0);
+        x.T = 100; x.has_h0 = 1; check_chunk("ladder T=100 h0", x, 4.0);
+        x.T = 200; x.HV = 2; x.V = 64; check_chunk("ladder T=200 V=64", x, 4.0);
+        x.K = 64; check_chunk("ladder T=200 K=V=64", x, 4.0);
     }
     check_chunk("T=200 B=2 H=4 HV=8 K=V=128 bf16 h0", b, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
     {
@@ -702,12 +800,14 @@ static void chunk_suite(int quick, int tiny, int race)
 /* The timed rows: the forward rows of ANCHORS.md (FLA: our H200
  * measurement where there is one, else published) and decode rows. `time`
  * mode (short = 1) runs the rows marked short only. */
-struct TimedFwd { int H, HV, nseq, len, varlen; double fla; int in_short; };
+struct TimedFwd { int H, HV, nseq, len, varlen; double fla, fqla; int in_short; };
 static const TimedFwd TIMED_FWD[] = {
-    {16, 32, 1, 32768, 0, 1.920, 1}, {16, 32, 8, 1024, 0, 0.507, 1},  {16, 32, 1, 8192, 0, 0.4827, 1},
-    {16, 32, 1, 2048, 0, 0.1345, 1}, {16, 32, 8, 4096, 0, 1.914, 0},  {16, 32, 2, 16384, 1, 1.891, 0},
-    {16, 64, 1, 32768, 0, 3.331, 0}, {16, 64, 2, 16384, 1, 3.436, 0}, {2, 8, 1, 32768, 0, 0.904, 0},
-    {2, 8, 1, 4096, 0, 0.1345, 1},   {8, 32, 1, 32768, 0, 1.885, 0},  {16, 48, 1, 32768, 0, 2.711, 0},
+    {16, 32, 1, 32768, 0, 1.920, 1.243, 1}, {16, 32, 8, 1024, 0, 0.507, 0.185, 1},
+    {16, 32, 1, 8192, 0, 0.4827, 0.303, 1}, {16, 32, 1, 2048, 0, 0.1345, 0.088, 1},
+    {16, 32, 8, 4096, 0, 1.914, 0.643, 0},  {16, 32, 2, 16384, 1, 1.891, 0.776, 0},
+    {16, 64, 1, 32768, 0, 3.331, 1.523, 0}, {16, 64, 2, 16384, 1, 3.436, 1.252, 0},
+    {2, 8, 1, 32768, 0, 0.904, 0.394, 1},   {2, 8, 1, 4096, 0, 0.1345, 0.133, 1},
+    {8, 32, 1, 32768, 0, 1.885, 1.235, 0},  {16, 48, 1, 32768, 0, 2.711, 1.409, 0},
 };
 struct TimedRec { int N, H, HV, T, in_short; };
 static const TimedRec TIMED_REC[] = {
@@ -719,7 +819,7 @@ static void run_timings(int short_only)
     g_fast_rand = 1;
     printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
     for (const TimedFwd &r : TIMED_FWD)
-        if (!short_only || r.in_short) time_fwd(r.H, r.HV, r.nseq, r.len, r.varlen, r.fla);
+        if (!short_only || r.in_short) time_fwd(r.H, r.HV, r.nseq, r.len, r.varlen, r.fla, r.fqla);
     for (const TimedRec &r : TIMED_REC)
         if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T);
 }
@@ -748,6 +848,11 @@ int main(int argc, char **argv)
     } else {
         printf("chunked forward vs float64 reference ([auto]: as the library runs it; [bvNN ksN]: stage B "
                "columns, K-split forced)\n");
+        if (!race && fq_cuda_fwd_fused_available(NULL_SHAPE_128())) {
+            check_inverse(128, 0);
+            check_inverse(128, 1);
+            check_inverse(64, 0);
+        }
         chunk_suite(quick, tiny, race);
     }
     if (!tiny) {
@@ -770,13 +875,14 @@ int main(int argc, char **argv)
     printf("\n==== summary ====\n");
     printf("correctness: %d checks, %d failed, worst rel %.3e\n", g_stat.n, g_stat.fail, g_stat.worst);
     if (!g_rows.empty()) {
-        printf("%-22s %5s | %5s %5s | %5s | %5s %5s %5s %5s %5s %5s %5s | %5s\n", "shape (ms)", "FLA", "total",
-               "FLA/t", "A", "16k1", "32k1", "64k1", "16k2", "32k2", "64k2", "auto", "C");
+        printf("%-22s %6s %6s | %6s %6s %6s | %6s %6s | %6s\n", "shape (ms)", "FQLA", "FLA", "total", "FQLA/t",
+               "FLA/t", "inv", "fused", "3stage");
         for (const TimeRow &r : g_rows)
-            printf("%-22s %5.3f | %5.3f %5.2f | %5.3f | %5.3f %5.3f %5.3f %5.3f %5.3f %5.3f %5.3f | %5.3f\n", r.shape,
-                   r.fla, r.tot, r.fla / r.tot, r.a, r.b[0], r.b[1], r.b[2], r.b[3], r.b[4], r.b[5], r.b[6], r.c);
-        printf("(FLA: ANCHORS.md, our H200 where measured, else published; FLA/t = FLA / total;\n"
-               " 16k1 .. 64k2 = stage B bv 16/32/64 with K-split 1 or 2; auto = the library's pick)\n");
+            printf("%-22s %6.3f %6.3f | %6.3f %6.2f %6.2f | %6.3f %6.3f | %6.3f\n", r.shape, r.fqla, r.fla, r.tot,
+                   r.fqla / r.tot, r.fla / r.tot, r.inv, r.fused, r.old);
+        printf("(FQLA: FlashQLA 0.1.3 and FLA as measured side by side in ../shared/ANCHORS.md (not this run);\n"
+               " total = fq_cuda_chunk_fwd; inv, fused = the fused forward's two kernels; 3stage = the\n"
+               " three-stage forward of GPUs without the fused kernel)\n");
     }
     printf("%s\n", g_fail ? "SOME CHECKS FAILED" : "all checks passed");
     return g_fail;

@@ -52,24 +52,24 @@ if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   print_sanitize _fwd
   exit 0
 fi
-NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
+NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -Icsrc/cuda -Idev/cuda -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
 for f in dev/cuda/check_fwd.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu csrc/cuda/gdn_cuda_fwd_state.cu \
-         csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_recurrent.cu; do
+         csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_fwd_fused.cu csrc/cuda/gdn_cuda_recurrent.cu; do
   $NV -Xptxas -v -c $f -o $B/$(basename $f .cu).o > $B/$(basename $f .cu).log 2>&1 &
   pids="$pids $!"
 done
 fail=0; for p in $pids; do wait $p || fail=1; done
 echo "=== ptxas (sm_90a): registers / spills per kernel"
-for f in $B/gdn_cuda_fwd_wy.log $B/gdn_cuda_fwd_state.log $B/gdn_cuda_fwd_output.log; do
+for f in $B/gdn_cuda_fwd_wy.log $B/gdn_cuda_fwd_state.log $B/gdn_cuda_fwd_output.log $B/gdn_cuda_fwd_fused.log; do
   awk "/Compiling entry function.*sm_90a/ {split(\$0, a, \"'\"); k = a[2]; on = 1}
        on && /spill stores/ {sp = \$5}
        on && /Used [0-9]+ registers/ {print \"  \" k, \$5, \"regs,\", sp, \"B spill\"; on = 0}" $f
 done
 [ $fail = 0 ] || { cat $B/*.log | grep -B2 -A5 error | head -60; exit 1; }
 $NV -o $B/check_fwd $B/check_fwd.o $B/gdn_cuda_fwd.o $B/gdn_cuda_fwd_wy.o $B/gdn_cuda_fwd_state.o \
-    $B/gdn_cuda_fwd_output.o $B/gdn_cuda_recurrent.o $B/gdn_common.o || exit 1
+    $B/gdn_cuda_fwd_output.o $B/gdn_cuda_fwd_fused.o $B/gdn_cuda_recurrent.o $B/gdn_common.o || exit 1
 [ "$MODE" = build ] && exit 0
 [ "$MODE" = ab ] && exec bash "$0" ab
 echo "=== full check + timings"

@@ -1,0 +1,258 @@
+/*
+ * gdn_cuda_hopper.cuh — the Hopper (sm_90a) instructions flashqla uses, as
+ * inline-PTX wrappers, and nothing else: wgmma (warpgroup matrix multiply)
+ * with its shared-memory descriptors, mbarrier, TMA tile loads
+ * (cp.async.bulk.tensor), the async-proxy fence and setmaxnreg. Every wrapper compiles to nothing outside sm_90a
+ * (__CUDA_ARCH_FEAT_SM90_ALL), so the compute_80 PTX fallback build stays
+ * valid; kernels that use them run only where the sm_90a code does (the
+ * launchers check the PTX version of the loaded kernel).
+ *
+ * Conventions (PTX ISA, "asynchronous warpgroup level matrix multiply"):
+ *
+ * Shared-memory tiles are 1024-byte aligned and laid out as TMA writes them
+ * with CU_TENSOR_MAP_SWIZZLE_128B: rows of 128 bytes (64 bf16), the 16-byte
+ * chunk j of row r stored at chunk j ^ (r & 7) of that row (fq_sw128). The
+ * same bytes serve as a wgmma operand in either major-ness:
+ *   K-major  (the row is along the reduction dim K): tile [MN rows][64 K];
+ *            8-row groups 1024 B apart (SBO = 1024); the K-step k (16
+ *            elements, 32 B) starts at +32 k within the 128-byte row.
+ *   MN-major (the row is along M or N): tile [K rows][64 MN]; 8-row groups
+ *            of K 1024 B apart (SBO = 1024), the next 64 MN elements in the
+ *            tile LBO bytes away; the K-step k starts at +2048 k.
+ * wgmma's imm-trans-{a,b} = 1 selects MN-major.
+ *
+ * Register fragments (each warp w of the warpgroup owns rows 16w..16w+15;
+ * lane = 4 g + t):
+ *   accumulator m64nN f32, n8 block i:  d[4i+0] = D[g][8i+2t], d[4i+1] = D[g][8i+2t+1],
+ *                                       d[4i+2] = D[g+8][8i+2t], d[4i+3] = D[g+8][8i+2t+1]
+ *   A m64k16 bf16 (4 x b32):  a[0] = A[g][2t,2t+1], a[1] = A[g+8][2t,2t+1],
+ *                             a[2] = A[g][2t+8,+9], a[3] = A[g+8][2t+8,+9]
+ * so the accumulator's n8 blocks 2k, 2k+1, packed to bf16 pairs, are the A
+ * fragment of K-step k of the next product (fq_acc_to_a).
+ */
+#ifndef FQ_GDN_CUDA_HOPPER_CUH
+#define FQ_GDN_CUDA_HOPPER_CUH
+
+#include "gdn_cuda_common.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FQ_SM90A 1
+#else
+#define FQ_SM90A 0
+#endif
+
+/* ------------------------------------------------------------- swizzle ---- */
+
+/* Byte offset of (row, byte b within the 128-byte row) in a SWIZZLE_128B tile. */
+static __device__ __forceinline__ uint32_t fq_sw128(int row, int b)
+{
+    return (uint32_t)(row * 128 + (b ^ ((row & 7) << 4)));
+}
+
+/* wgmma shared-memory matrix descriptor, SWIZZLE_128B (layout type 1):
+ * start address, leading-dimension byte offset, stride-dimension byte offset
+ * (each >> 4 in its 14-bit field). */
+static __device__ __forceinline__ uint64_t fq_desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+/* ------------------------------------------------------------ warpgroup ---- */
+
+static __device__ __forceinline__ void fq_wgmma_fence(void)
+{
+#if FQ_SM90A
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_wgmma_commit(void)
+{
+#if FQ_SM90A
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N> static __device__ __forceinline__ void fq_wgmma_wait(void)
+{
+#if FQ_SM90A
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+/* The accumulator registers are "+f" operands of the asm; after a wait the
+ * compiler must not move their uses above it: fq_reg_fence(acc) ties them. */
+template <int NR> static __device__ __forceinline__ void fq_reg_fence(float (&d)[NR])
+{
+#pragma unroll
+    for (int i = 0; i < NR; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+static __device__ __forceinline__ void fq_setmaxnreg_inc232(void)
+{
+#if FQ_SM90A
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_setmaxnreg_dec40(void)
+{
+#if FQ_SM90A
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+}
+
+/* Generic-proxy writes to shared memory made visible to the async proxy
+ * (wgmma operand reads, TMA): each writing thread, before the barrier that
+ * orders the writes with the reader. */
+static __device__ __forceinline__ void fq_fence_async_smem(void)
+{
+#if FQ_SM90A
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+/* Accumulator n8 blocks 2k, 2k+1 -> the bf16 A fragment of K-step k. */
+static __device__ __forceinline__ void fq_acc_to_a(uint32_t a[4], const float *d8, float s)
+{
+    a[0] = fq_pack_bf16(d8[0] * s, d8[1] * s);
+    a[1] = fq_pack_bf16(d8[2] * s, d8[3] * s);
+    a[2] = fq_pack_bf16(d8[4] * s, d8[5] * s);
+    a[3] = fq_pack_bf16(d8[6] * s, d8[7] * s);
+}
+
+/* ------------------------------------------------------------------ wgmma ----
+ * D (m64 x N, f32) (+)= A (m64 x k16, bf16) B (k16 x N, bf16).
+ *   _ss: A and B from shared memory (descriptors), trans_a/trans_b: 0 K-major,
+ *        1 MN-major;
+ *   _rs: A from registers (4 x b32 bf16 pairs), B from shared memory;
+ *   acc = 0: D = A B (the accumulator is overwritten), 1: D += A B;
+ *   NEG_A = 1: D (+)= -A B (imm-scale-a = -1). */
+
+#define FQ_D8(i) "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                 "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+template <int TA, int TB>
+static __device__ __forceinline__ void fq_wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int acc)
+{
+#if FQ_SM90A
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        : FQ_D8(0), FQ_D8(8), FQ_D8(16), FQ_D8(24)
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+#endif
+}
+
+template <int TB, int NEG_A>
+static __device__ __forceinline__ void fq_wgmma_rs_n64(float (&d)[32], const uint32_t a[4], uint64_t db, int acc)
+{
+#if FQ_SM90A
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        "{%32,%33,%34,%35}, %36, p, %38, 1, %39;\n}\n"
+        : FQ_D8(0), FQ_D8(8), FQ_D8(16), FQ_D8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(NEG_A ? -1 : 1), "n"(TB));
+#endif
+}
+
+template <int TB, int NEG_A>
+static __device__ __forceinline__ void fq_wgmma_rs_n128(float (&d)[64], const uint32_t a[4], uint64_t db, int acc)
+{
+#if FQ_SM90A
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, p, %70, 1, %71;\n}\n"
+        : FQ_D8(0), FQ_D8(8), FQ_D8(16), FQ_D8(24), FQ_D8(32), FQ_D8(40), FQ_D8(48), FQ_D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(NEG_A ? -1 : 1), "n"(TB));
+#endif
+}
+#undef FQ_D8
+
+/* --------------------------------------------------------------- mbarrier ---- */
+
+static __device__ __forceinline__ void fq_mbar_init(uint64_t *bar, int count)
+{
+#if FQ_SM90A
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(fq_smem_u32(bar)), "r"(count) : "memory");
+#endif
+}
+/* Makes initialised barriers visible to the async proxy (TMA); then a
+ * block-wide barrier before any use. */
+static __device__ __forceinline__ void fq_mbar_init_fence(void)
+{
+#if FQ_SM90A
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_mbar_arrive(uint64_t *bar)
+{
+#if FQ_SM90A
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(fq_smem_u32(bar)) : "memory");
+#endif
+}
+/* One arrival that also announces `bytes` of TMA transactions. */
+static __device__ __forceinline__ void fq_mbar_arrive_tx(uint64_t *bar, uint32_t bytes)
+{
+#if FQ_SM90A
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(fq_smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+#endif
+}
+/* Waits until the barrier's phase with the given parity has completed. */
+static __device__ __forceinline__ void fq_mbar_wait(uint64_t *bar, uint32_t parity)
+{
+#if FQ_SM90A
+    asm volatile(
+        "{\n.reg .pred ok;\n"
+        "FQ_MBAR_WAIT_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 ok, [%0], %1;\n"
+        "@!ok bra FQ_MBAR_WAIT_%=;\n}\n" ::"r"(fq_smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+#endif
+}
+
+/* -------------------------------------------------------------------- TMA ---- */
+
+/* Tile load global -> shared through a tensor map (a __grid_constant__
+ * kernel parameter), completing `bar`'s transactions. Coordinates innermost
+ * first, in elements. */
+static __device__ __forceinline__ void fq_tma_load_2d(void *dst, const void *tmap, uint64_t *bar, int c0, int c1)
+{
+#if FQ_SM90A
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+            fq_smem_u32(dst)),
+        "l"((uint64_t)tmap), "r"(fq_smem_u32(bar)), "r"(c0), "r"(c1)
+        : "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_tma_load_3d(void *dst, const void *tmap, uint64_t *bar, int c0, int c1,
+                                                      int c2)
+{
+#if FQ_SM90A
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];\n" ::"r"(fq_smem_u32(dst)),
+        "l"((uint64_t)tmap), "r"(fq_smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_tma_prefetch_desc(const void *tmap)
+{
+#if FQ_SM90A
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)tmap) : "memory");
+#endif
+}
+
+#endif /* FQ_GDN_CUDA_HOPPER_CUH */
