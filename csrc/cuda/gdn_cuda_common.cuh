@@ -251,6 +251,32 @@ typedef struct fq_seq_info {
     int nchunks; /* ceil(len / 64); 0 for an empty sequence                  */
 } fq_seq_info;
 
+/* The fused forward's unit of work: a segment of a sequence's chunks (the
+ * whole sequence unless context parallelism splits it; gdn_cuda_fwd_fused.cu). */
+typedef struct fq_seg_info {
+    int seq;     /* sequence n, or -1: no segment here                        */
+    int bos;     /* global row of the segment's first token                   */
+    int len;     /* tokens in the segment                                     */
+    int chunk0;  /* global index of its first chunk                           */
+    int nchunks; /* chunks in the segment                                     */
+    int index;   /* its place in the sequence, 0 .. count - 1                 */
+    int count;   /* segments of the sequence                                  */
+    int first;   /* global index of the sequence's segment 0                  */
+} fq_seg_info;
+
+/* The gate record of one (chunk, value head), written by the fused
+ * forward's stage A for its main kernel (which reads it by one bulk copy):
+ * per row r, vectors of 64 floats at these offsets, then e^{gamma_C}. */
+#define FQ_REC_G2 0     /* gamma_r log2(e)                                     */
+#define FQ_REC_RK 64    /* rk_r (inverse key norm; 1 without l2norm, 0 padding) */
+#define FQ_REC_PRQ 128  /* scale rq_r                                          */
+#define FQ_REC_FA1 192  /* e^gamma_r rk_r: the columns of A' = A'' diag(.)     */
+#define FQ_REC_QG 256   /* scale e^gamma_r rq_r: the rows of Q S               */
+#define FQ_REC_KD 320   /* e^{gamma_C - gamma_r} rk_r: the rows of K in S's update */
+#define FQ_REC_BETA 384 /* beta_r                                              */
+#define FQ_REC_EC 448   /* e^{gamma_C}, then 3 floats of padding               */
+#define FQ_REC_FLOATS 452 /* 1808 bytes, a multiple of 16                      */
+
 /* ------------------------------------------- forward workspace layout ---- */
 
 /* Pointers into the caller's workspace (each region 256-byte aligned).
@@ -275,8 +301,16 @@ typedef struct fq_fwd_ws {
                                 fq_cuda_fwd_wy only when non-NULL; the forward
                                 leaves it NULL (for the backward's use);
                                 the fused forward's stage A writes it      */
-    float4 *rec;             /* fused forward: [nc_max, HV, 64] per-token
-                                {gamma, beta, rk, rq} (NULL otherwise)     */
+    float *rec;              /* fused forward: [nc_max, HV, FQ_REC_FLOATS] the
+                                gate record (NULL otherwise)               */
+    /* fused forward, its segments (context parallelism):                    */
+    int nseg_max;            /* segments per sequence at most (1: none)       */
+    int64_t seg_bound;       /* segment slots (from sizes only)               */
+    fq_seg_info *segs;       /* [seg_bound]                                   */
+    float *md;               /* [seg_bound, HV, K, K + V] segment maps [M | D]
+                                (NULL when nseg_max == 1)                    */
+    float *ss;               /* [seg_bound, HV, K, V] segment start states
+                                (NULL when nseg_max == 1)                    */
 } fq_fwd_ws;
 
 #ifdef __cplusplus
@@ -292,11 +326,18 @@ size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
  * table, norms and bf16 copies as above, then a and rec; gamma, kdecay, w,
  * u, h, vn are NULL. Returns its size (a multiple of 256). */
 size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
+/* Context parallelism of the fused forward (exact, DESIGN §2): a sequence
+ * of nc chunks is split into min(nseg_max, nc / FQ_CP_MIN_CHUNKS) segments
+ * of equal chunk counts (the last may be shorter); nseg_max depends on the
+ * head shape (HV, K, V) only, so a sequence's split never depends on the
+ * other sequences of the batch or on data. */
+#define FQ_CP_MIN_CHUNKS 8
+int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* 1 when the fused forward runs for p on the current device: an sm_90 GPU
  * running this module's sm_90a code, K and V in {64, 128}. */
 int fq_cuda_fwd_fused_available(const fq_gdn_params *p);
-/* Stage A of the fused forward: gamma, A = (I+L)^-1 (bf16 into ws->a) and
- * the gate record ws->rec per (chunk, value head). */
+/* Stage A of the fused forward: gamma, A = (I+L)^-1 (as A diag(beta), bf16,
+ * into ws->a) and the gate record ws->rec per (chunk, value head). */
 fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* The fused state pass and outputs: o and, if non-NULL, ht. */
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);

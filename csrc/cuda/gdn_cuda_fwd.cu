@@ -154,7 +154,18 @@ extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base
     size_t off = fq_fwd_ws_common(p, base, ws);
     const int64_t nc = ws->nc_max, HV = p->HV;
     ws->a = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * FQ_CHUNK) * 2);
-    ws->rec = (float4 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 16);
+    ws->rec = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_REC_FLOATS) * 4);
+    /* segments: nseg_max from the head shape only (never from data, never
+     * from the batch), their slots bounded from sizes */
+    const int64_t N = p->N > 0 ? p->N : 0, K = p->K, V = p->V;
+    ws->nseg_max = fq_cuda_fwd_nseg_max(p);
+    int64_t bound = N * ws->nseg_max, alt = N + nc / FQ_CP_MIN_CHUNKS;
+    ws->seg_bound = ws->nseg_max > 1 && alt < bound ? alt : bound;
+    ws->segs = (fq_seg_info *)fq_carve(base, &off, (size_t)(ws->seg_bound > 0 ? ws->seg_bound : 1) * sizeof(fq_seg_info));
+    if (ws->nseg_max > 1) {
+        ws->md = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * (K + V)) * 4);
+        ws->ss = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * V) * 4);
+    }
     return off;
 }
 

@@ -4,12 +4,15 @@
  * or Vn ever goes to global memory. Per CTA one (sequence n, value head j,
  * block of 64 state columns vb); per chunk of the sequence, in order:
  *
- *   Vn = U - W S                 U = A diag(beta) V,  W = A diag(beta e^gamma rk) K
- *   O  = scale diag(e^gamma rq) Q S + P Vn,  P = lower_incl(Q K^T ⊙ Gamma) scale diag(rq) . diag(rk)
- *   S  = e^{gamma_C} S + Kd^T Vn,  Kd = diag(e^{gamma_C - gamma} rk) K
+ *   Vn = U - W S          U = A'' V,  W = A' K,  A'' = A diag(beta),  A' = A'' diag(e^gamma rk)
+ *   O  = diag(qg) Q S + P Vn,   qg = scale e^gamma rq,
+ *                               P = lower_incl(Q K^T ⊙ Gamma) scale diag(rq) . diag(rk)
+ *   S  = e^{gamma_C} S + K^T diag(kd) Vn,   kd = e^{gamma_C - gamma} rk
  *
- * with A = (I + L)^-1 and the gate record {gamma, beta, rk, rq} from
- * fq_fwd_inverse_kernel (gdn_cuda_fwd_wy.cu), run just before.
+ * with A = (I + L)^-1 (stored as A'') and the gate record {gamma, beta, rk,
+ * rq} from fq_fwd_inverse_kernel (gdn_cuda_fwd_wy.cu), run just before. Q
+ * and K are used as loaded: their row factors qg, kd are applied to the
+ * chain's register operands and accumulators instead.
  *
  * Three warpgroups (384 threads), one CTA per SM (216 KB of shared memory at
  * K = 128: three stages of 72 KB):
@@ -17,16 +20,17 @@
  *        (this CTA's 64 columns) and A tiles into the stage's buffers
  *        (mbarrier `full`), three chunks deep; setmaxnreg 40.
  *   WG1, prep: the S-independent work of a chunk, one chunk ahead of WG2:
- *        P = Q K^T, U = A'' V, W = A' K on wgmma (A', A'' = A with its
- *        columns scaled, as register operands), then in place
- *        Q -> Qg = diag(scale e^gamma rq) Q, K -> Kd, A -> P (masked, gated,
- *        bf16), V -> W[:, 0:64], U^T in fp32; signals `ready`.
+ *        P = Q K^T, U = A'' V, W = A' K on wgmma (A'', A' as register
+ *        operands), then P (masked, gated, bf16) into the A'' tile, W into
+ *        V's tile and one of its own (stmatrix), U^T in fp32 and the row
+ *        factors qg, kd; signals `ready`.
  *   WG2, chain: the state, S^T (64 columns x K) as wgmma accumulators in
  *        registers, never in shared or global memory:
  *          Vn^T = U^T - S^T W^T          (A = S^T bf16 from registers, B = W)
- *          O^T  = S^T Qg^T + Vn^T P^T
- *          S^T  = e^{gamma_C} S^T + Vn^T Kd
- *        then O through shared memory to global, and `empty` for the stage.
+ *          O^T  = S^T Q^T diag(qg) + Vn^T P^T
+ *          S^T  = e^{gamma_C} S^T + (diag(kd) Vn)^T K
+ *        then O (stmatrix, transposed) through shared memory to global, and
+ *        `empty` for the stage.
  *
  * Shared-memory tiles are SWIZZLE_128B, 64 x 64 bf16 (8 KB), as TMA writes
  * them; gdn_cuda_hopper.cuh explains the operand descriptors. Padding rows of
@@ -48,49 +52,54 @@
 #define FQ_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
 
 /* Shared memory of one CTA. Per stage: Q (K/64 tiles), K (K/64 tiles), V,
- * A, the second W tile (K = 128), U^T (fp32 64 x 64); then the barriers,
- * per-stage scalars and the prep warpgroup's row vectors. */
+ * A'', the second W tile (K = 128), U^T (fp32 64 x 64); then the barriers
+ * and the stages' gate records (FQ_REC_*). */
 template <int K> struct fq_fused_smem {
     static constexpr int KT = K / 64;
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + KT * FQ_TILE;
     static constexpr int off_v = off_k + KT * FQ_TILE; /* V, then W tile 0 */
-    static constexpr int off_a = off_v + FQ_TILE;      /* A, then P */
+    static constexpr int off_a = off_v + FQ_TILE;      /* A'', then P */
     static constexpr int off_w1 = off_a + FQ_TILE;     /* W tile 1 (K = 128) */
-    static constexpr int off_u = off_w1 + (KT - 1) * FQ_TILE; /* U^T fp32, then O staging */
-    static constexpr int stage = off_u + 64 * 64 * 4;
-    static constexpr int off_bar = FQ_FUSED_STAGES * stage; /* full, ready, empty */
-    static constexpr int off_scal = off_bar + 3 * FQ_FUSED_STAGES * 8;  /* per stage: e^{gamma_C}, len */
-    static constexpr int off_vec = off_scal + FQ_FUSED_STAGES * 8;      /* prep: 7 x 64 floats */
-    static constexpr int bytes = off_vec + 7 * 64 * 4 + 1024;           /* + alignment slack */
-    static constexpr uint32_t load_bytes = (2 * KT + 2) * FQ_TILE;
+    static constexpr int off_u = off_w1 + (KT - 1) * FQ_TILE; /* U^T fp32 (64 rows of 68), then the O staging */
+    static constexpr int stage = off_u + 64 * 68 * 4;          /* a multiple of 1024 */
+    static constexpr int off_bar = FQ_FUSED_STAGES * stage;     /* full, ready_w, ready_p, empty */
+    static constexpr int off_rec = off_bar + 4 * FQ_FUSED_STAGES * 8; /* per stage: the gate record */
+    static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
+    static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
+    static constexpr uint32_t load_bytes = (2 * KT + 2) * FQ_TILE + rec_bytes;
+    static_assert(stage % 1024 == 0, "stages must keep the 1024-byte alignment of the tiles");
 };
 
+/* MODE: what a CTA computes over its segment of chunks */
+#define FQ_FUSED_FULL 0 /* o and the segment's end state (ht when the segment ends the sequence) */
+#define FQ_FUSED_MAP 1  /* only the segment's affine state map [M | D] (context parallelism) */
+
 struct fq_fused_args {
-    const fq_seq_info *seqs;
-    const float4 *rec;   /* [nc_max, HV, 64] {gamma, beta, rk, rq} */
+    const fq_seg_info *segs;
+    float *md;           /* MAP: [seg_bound, HV, K, K + V] out */
+    const float *ss;     /* FULL: [seg_bound, HV, K, V] start states of segments 1.. */
+    const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
     const float *h0;     /* [N, HV, K, V] or NULL */
     float *ht;           /* [N, HV, K, V] or NULL */
     void *o;             /* [B*T, HV, V], dtype odt */
     fq_dtype odt;
-    int H, HV, V, nvb;   /* nvb = V / 64 column blocks */
+    int o_tma;           /* 1: full chunks of o leave by TMA store (tm_o; 16-bit o, 16-byte aligned) */
+    int H, HV, V, ncb;   /* ncb: column blocks of 64 per (segment, head): V/64 (FULL), (K+V)/64 (MAP) */
     float scale;
 };
 
+#define FQ_LOG2E 1.4426950408889634f
+
 #if FQ_SM90A
-/* A 64 x 64 fp32 tile in shared memory, [row][col], the 16-byte chunk c of a
- * row at c ^ (row & 7) (no bank conflicts for the fragment stores and
- * loads below). U^T is kept as [v][r] (the chain reads float2 pairs of r),
- * the O staging in the same place as [r][v] (rows read as float4). */
+/* A 64 x 64 fp32 tile in shared memory, [row][col] with rows of 68 floats
+ * (the padding keeps the fragment stores and float2/float4 loads below free
+ * of bank conflicts, and every offset an immediate). U^T is kept as [v][r]:
+ * the chain reads float2 pairs of r. */
+#define FQ_F32_LD 68
 static __device__ __forceinline__ float *fq_f32_tile(float *U, int row, int col)
 {
-    return U + row * 64 + ((((col >> 2) ^ (row & 7)) << 2) | (col & 3));
-}
-
-/* One bf16 pair (columns c, c+1; c even) of row r of a SWIZZLE_128B tile. */
-static __device__ __forceinline__ uint32_t *fq_tile_pair(unsigned char *tile, int r, int c)
-{
-    return (uint32_t *)(tile + fq_sw128(r, 2 * c));
+    return U + row * FQ_F32_LD + col;
 }
 
 /* The A fragment of K-step kk (columns 16 kk..) for warp w's 16 rows of a
@@ -102,40 +111,60 @@ static __device__ __forceinline__ void fq_ldsm_a_sw128(uint32_t a[4], const unsi
     fq_ldsm_x4(a, fq_smem_u32(tile + fq_sw128(row, 2 * col)));
 }
 
+/* Accumulator n8 blocks nb0, nb0 + 1 of warp w (16 rows) as bf16 pairs
+ * p<nb><h> (h: rows + 8) into a 64 x 64 bf16 SWIZZLE_128B tile at columns
+ * 8 nb (tile rows = accumulator rows): one stmatrix. */
+static __device__ __forceinline__ void fq_stsm_pairs(unsigned char *tile, int w, int nb0, uint32_t p00, uint32_t p01,
+                                                     uint32_t p10, uint32_t p11)
+{
+    const int l = threadIdx.x & 31, i = l >> 3;
+    const int row = 16 * w + 8 * (i & 1) + (l & 7), nb = nb0 + (i >> 1);
+    fq_stsm_x4(fq_smem_u32(tile + fq_sw128(row, 16 * (nb & 7))), p00, p01, p10, p11);
+}
+
 /* bf16 pair scaled by two factors. */
 static __device__ __forceinline__ uint32_t fq_scale_pair(uint32_t x, float f0, float f1)
 {
     float2 v = fq_unpack_bf16(x);
     return fq_pack_bf16(v.x * f0, v.y * f1);
 }
-
 #endif
 
-template <int K>
+template <int K, int MODE>
 __global__ void __launch_bounds__(384, 1)
     fq_fwd_fused_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_a,
-                        const fq_fused_args args)
+                        const __grid_constant__ CUtensorMap tm_o, const fq_fused_args args)
 {
 #if FQ_SM90A
     typedef fq_fused_smem<K> SM;
     constexpr int KT = SM::KT;
-    extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* 1024-byte alignment for the SWIZZLE_128B tiles, by offset (the pointer
+     * stays a shared-memory one: plain STS/LDS, not generic accesses) */
+    unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
+    /* full: the stage's loads landed; ready_w: W, U^T written (prep); ready_p:
+     * P written (prep); empty: the chain is done with the stage */
     uint64_t *full = (uint64_t *)(smem + SM::off_bar);
-    uint64_t *ready = full + FQ_FUSED_STAGES, *empty = ready + FQ_FUSED_STAGES;
-    float2 *scal = (float2 *)(smem + SM::off_scal);
-    float *vec = (float *)(smem + SM::off_vec);
+    uint64_t *ready_w = full + FQ_FUSED_STAGES, *ready_p = ready_w + FQ_FUSED_STAGES;
+    uint64_t *empty = ready_p + FQ_FUSED_STAGES;
 
-    const int HV = args.HV, nvb = args.nvb;
-    const int vb = blockIdx.x % nvb, j = (blockIdx.x / nvb) % HV, n = blockIdx.x / (nvb * HV);
+    constexpr int MAP = MODE == FQ_FUSED_MAP;
+    const int HV = args.HV, ncb = args.ncb;
+    const int cb = blockIdx.x % ncb, j = (blockIdx.x / ncb) % HV, gs = blockIdx.x / (ncb * HV);
     const int hq = j / (HV / args.H);
     const int tid = threadIdx.x, wg = tid >> 7;
+    /* MAP: column blocks cb < K/64 are the columns of M (v = 0, start = the
+     * identity), the others those of D (start = 0); vb: this CTA's block of
+     * V's columns (none for an M block) */
+    const int mblk = MAP && cb < KT;
+    const int vb = MAP ? cb - KT : cb;
 
     if (tid == 0) {
         for (int s = 0; s < FQ_FUSED_STAGES; s++) {
             fq_mbar_init(&full[s], 1);
-            fq_mbar_init(&ready[s], 1);
+            fq_mbar_init(&ready_w[s], 1);
+            fq_mbar_init(&ready_p[s], 1);
             fq_mbar_init(&empty[s], 1);
         }
         fq_mbar_init_fence();
@@ -145,10 +174,12 @@ __global__ void __launch_bounds__(384, 1)
         fq_tma_prefetch_desc(&tm_a);
     }
     __syncthreads();
-    /* the chunk table, A and the record come from the kernels before */
+    /* the segment table, A'' and the record come from the kernels before */
     fq_pdl_wait();
-    const fq_seq_info si = args.seqs[n];
-    const int nch = si.nchunks;
+    const fq_seg_info si = args.segs[gs];
+    /* (block-uniform exits, before any role split) */
+    if (si.seq < 0 || (MAP && si.index == si.count - 1)) return;
+    const int n = si.seq, nch = si.nchunks;
 
     if (wg == 0) {
         /* ---------------------------------------------------- producer ---- */
@@ -159,13 +190,16 @@ __global__ void __launch_bounds__(384, 1)
                 if (i >= FQ_FUSED_STAGES) fq_mbar_wait(&empty[s], ((i / FQ_FUSED_STAGES) - 1) & 1);
                 unsigned char *st = smem + s * SM::stage;
                 const int row = si.bos + 64 * i;
-                fq_mbar_arrive_tx(&full[s], SM::load_bytes);
+                /* MAP: no Q (no outputs), no V for an M block (v = 0 there) */
+                fq_mbar_arrive_tx(&full[s], MAP ? (uint32_t)(KT + 2 - mblk) * FQ_TILE + SM::rec_bytes : SM::load_bytes);
+                fq_bulk_load(smem + SM::off_rec + s * SM::rec_bytes,
+                             args.rec + ((int64_t)(si.chunk0 + i) * HV + j) * FQ_REC_FLOATS, SM::rec_bytes, &full[s]);
 #pragma unroll
                 for (int kt = 0; kt < KT; kt++) {
-                    fq_tma_load_3d(st + SM::off_q + kt * FQ_TILE, &tm_q, &full[s], 64 * kt, hq, row);
+                    if (!MAP) fq_tma_load_3d(st + SM::off_q + kt * FQ_TILE, &tm_q, &full[s], 64 * kt, hq, row);
                     fq_tma_load_3d(st + SM::off_k + kt * FQ_TILE, &tm_k, &full[s], 64 * kt, hq, row);
                 }
-                fq_tma_load_3d(st + SM::off_v, &tm_v, &full[s], 64 * vb, j, row);
+                if (!mblk) fq_tma_load_3d(st + SM::off_v, &tm_v, &full[s], 64 * vb, j, row);
                 fq_tma_load_2d(st + SM::off_a, &tm_a, &full[s], 0, ((si.chunk0 + i) * HV + j) * 64);
             }
         }
@@ -173,33 +207,13 @@ __global__ void __launch_bounds__(384, 1)
         /* -------------------------------------------------------- prep ---- */
         fq_setmaxnreg_inc232();
         const int tp = tid - 128, w = tp >> 5, lane = tp & 31, g = lane >> 2, t = lane & 3;
-        float *gam = vec, *rkv = vec + 64, *prq = vec + 128; /* gamma, rk, scale rq */
-        float *fa1 = vec + 192, *fa2 = vec + 256;            /* columns of A': beta e^gamma rk; of A'': beta */
-        float *fqg = vec + 320, *fkd = vec + 384;            /* rows of Qg: scale e^gamma rq; of Kd */
-        float4 rnext = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (tp < 64 && nch > 0) rnext = args.rec[((int64_t)si.chunk0 * HV + j) * 64 + tp];
         for (int i = 0; i < nch; i++) {
             const int s = i % FQ_FUSED_STAGES;
             unsigned char *st = smem + s * SM::stage;
+            const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const int len = min(64, si.len - 64 * i);
-            const float4 rc = rnext;
-            if (tp < 64 && i + 1 < nch) rnext = args.rec[((int64_t)(si.chunk0 + i + 1) * HV + j) * 64 + tp];
-
-            /* the row vectors of this chunk (the previous chunk's readers are done) */
-            fq_named_bar(2, 128);
-            if (tp < 64) { gam[tp] = rc.x; rkv[tp] = rc.z; prq[tp] = args.scale * rc.w; }
-            fq_named_bar(2, 128);
-            if (tp < 64) {
-                const float eg = __expf(rc.x), gC = gam[63];
-                fa1[tp] = rc.y * eg * rc.z;
-                fa2[tp] = rc.y;
-                fqg[tp] = args.scale * eg * rc.w;
-                fkd[tp] = __expf(gC - rc.x) * rc.z;
-            }
-
             /* the stage is ours once its loads landed (the chain is done with its last use) */
             fq_mbar_wait(&full[s], (i / FQ_FUSED_STAGES) & 1);
-            if (tp == 0) scal[s] = make_float2(__expf(gam[63]), (float)len);
             if (len < 64) {
                 /* zero the padding rows of Q, K, V (rows of the next sequence) */
                 const int nt = 2 * KT + 1, nrow = 64 - len;
@@ -211,42 +225,28 @@ __global__ void __launch_bounds__(384, 1)
                     *(uint4 *)(tb + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
                 }
                 fq_fence_async_smem();
+                fq_named_bar(2, 128);
             }
-            fq_named_bar(2, 128);
 
-            /* A' = A diag(fa1), A'' = A diag(fa2) as A fragments (warp w: rows 16w..) */
+            /* A'' (from stage A) and A' = A'' diag(e^gamma rk) as A fragments (warp w: rows 16w..) */
             uint32_t a1[4][4], a2[4][4];
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                uint32_t a[4];
-                fq_ldsm_a_sw128(a, st + SM::off_a, w, kk);
+                fq_ldsm_a_sw128(a2[kk], st + SM::off_a, w, kk);
                 const int c0 = 16 * kk + 2 * t, c1 = c0 + 8;
-                a1[kk][0] = fq_scale_pair(a[0], fa1[c0], fa1[c0 + 1]);
-                a1[kk][1] = fq_scale_pair(a[1], fa1[c0], fa1[c0 + 1]);
-                a1[kk][2] = fq_scale_pair(a[2], fa1[c1], fa1[c1 + 1]);
-                a1[kk][3] = fq_scale_pair(a[3], fa1[c1], fa1[c1 + 1]);
-                a2[kk][0] = fq_scale_pair(a[0], fa2[c0], fa2[c0 + 1]);
-                a2[kk][1] = fq_scale_pair(a[1], fa2[c0], fa2[c0 + 1]);
-                a2[kk][2] = fq_scale_pair(a[2], fa2[c1], fa2[c1 + 1]);
-                a2[kk][3] = fq_scale_pair(a[3], fa2[c1], fa2[c1 + 1]);
+                const float *fa1 = rec + FQ_REC_FA1;
+                const float f00 = fa1[c0], f01 = fa1[c0 + 1], f10 = fa1[c1], f11 = fa1[c1 + 1];
+                a1[kk][0] = fq_scale_pair(a2[kk][0], f00, f01);
+                a1[kk][1] = fq_scale_pair(a2[kk][1], f00, f01);
+                a1[kk][2] = fq_scale_pair(a2[kk][2], f10, f11);
+                a1[kk][3] = fq_scale_pair(a2[kk][3], f10, f11);
             }
 
             float pacc[32], uacc[32], wacc[K / 2];
             const uint32_t sq = fq_smem_u32(st + SM::off_q), sk = fq_smem_u32(st + SM::off_k);
             const uint32_t sv = fq_smem_u32(st + SM::off_v);
             fq_wgmma_fence();
-            /* P0 = Q K^T (both K-major) */
-#pragma unroll
-            for (int kk = 0; kk < K / 16; kk++) {
-                const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_sw128(sq + off, 16, 1024), fq_desc_sw128(sk + off, 16, 1024),
-                                      kk > 0);
-            }
-            /* U = A'' V (V MN-major: rows are the reduction index) */
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fq_wgmma_rs_n64<1, 0>(uacc, a2[kk], fq_desc_sw128(sv + 2048 * kk, FQ_TILE, 1024), kk > 0);
-            /* W = A' K (K MN-major; its two 64-column tiles FQ_TILE apart) */
+            /* group 1: W = A' K (K MN-major; its two 64-column tiles FQ_TILE apart) */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 if constexpr (K == 128)
@@ -254,60 +254,93 @@ __global__ void __launch_bounds__(384, 1)
                 else
                     fq_wgmma_rs_n64<1, 0>(wacc, a1[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), kk > 0);
             }
+            /* U = A'' V (V MN-major: rows are the reduction index; U = 0 for an M block) */
+            if (!mblk) {
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++)
+                    fq_wgmma_rs_n64<1, 0>(uacc, a2[kk], fq_desc_sw128(sv + 2048 * kk, FQ_TILE, 1024), kk > 0);
+            }
             fq_wgmma_commit();
-            fq_wgmma_wait<0>();
-            fq_reg_fence(pacc);
+            /* group 2: P0 = Q K^T (both K-major; no outputs in MAP mode) */
+            if (!MAP) {
+#pragma unroll
+                for (int kk = 0; kk < K / 16; kk++) {
+                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+                    fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_sw128(sq + off, 16, 1024), fq_desc_sw128(sk + off, 16, 1024),
+                                          kk > 0);
+                }
+                fq_wgmma_commit();
+            }
+            if constexpr (MAP) fq_wgmma_wait<0>();
+            else fq_wgmma_wait<1>();
             fq_reg_fence(uacc);
             fq_reg_fence(wacc);
-            fq_named_bar(2, 128); /* every warp's products are done with Q, K, V, A */
 
-            /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk) -> A's tile */
+            /* W: columns 0..63 into V's tile (V is read: its product is done), 64..127 into the W tile */
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t;
-                    const float pr = prq[r], gr = gam[r];
-                    float x0 = c <= r ? pacc[4 * nb + 2 * h] * pr * rkv[c] * __expf(gr - gam[c]) : 0.f;
-                    float x1 = c + 1 <= r ? pacc[4 * nb + 2 * h + 1] * pr * rkv[c + 1] * __expf(gr - gam[c + 1]) : 0.f;
-                    *fq_tile_pair(st + SM::off_a, r, c) = fq_pack_bf16(x0, x1);
-                }
-            /* U^T fp32 */
+            for (int nb2 = 0; nb2 < K / 16; nb2++) {
+                const int nb = 2 * nb2;
+                unsigned char *tile = st + (nb < 8 ? SM::off_v : SM::off_w1);
+                fq_stsm_pairs(tile, w, nb & 7, fq_pack_bf16(wacc[4 * nb], wacc[4 * nb + 1]),
+                              fq_pack_bf16(wacc[4 * nb + 2], wacc[4 * nb + 3]),
+                              fq_pack_bf16(wacc[4 * nb + 4], wacc[4 * nb + 5]),
+                              fq_pack_bf16(wacc[4 * nb + 6], wacc[4 * nb + 7]));
+            }
+            /* U^T fp32 (an M block has U = 0: the chain starts from zeros) */
             float *Us = (float *)(st + SM::off_u);
+            if (!mblk) {
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
+                for (int nb = 0; nb < 8; nb++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * w + g + 8 * h, v = 8 * nb + 2 * t;
-                    *fq_f32_tile(Us, v, r) = uacc[4 * nb + 2 * h];
-                    *fq_f32_tile(Us, v + 1, r) = uacc[4 * nb + 2 * h + 1];
-                }
-            /* W: columns 0..63 into V's tile, 64..127 into the W tile */
-#pragma unroll
-            for (int nb = 0; nb < K / 8; nb++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t;
-                    unsigned char *tile = st + (c < 64 ? SM::off_v : SM::off_w1);
-                    *fq_tile_pair(tile, r, c & 63) = fq_pack_bf16(wacc[4 * nb + 2 * h], wacc[4 * nb + 2 * h + 1]);
-                }
-            /* Kd = diag(e^{gamma_C - gamma} rk) K and Qg = diag(scale e^gamma rq) Q, in place
-             * (the swizzle keeps each 16-byte chunk in its row) */
-            for (int idx = tp; idx < 2 * KT * 512; idx += 128) {
-                const int tile = idx >> 9, r = (idx >> 3) & 63;
-                unsigned char *p = st + (tile < KT ? SM::off_k + tile * FQ_TILE : SM::off_q + (tile - KT) * FQ_TILE) +
-                                   (idx & 511) * 16;
-                const float f = tile < KT ? fkd[r] : fqg[r];
-                uint4 x = *(uint4 *)p;
-                x.x = fq_scale_pair(x.x, f, f);
-                x.y = fq_scale_pair(x.y, f, f);
-                x.z = fq_scale_pair(x.z, f, f);
-                x.w = fq_scale_pair(x.w, f, f);
-                *(uint4 *)p = x;
+                    for (int h = 0; h < 2; h++) {
+                        const int r = 16 * w + g + 8 * h, v = 8 * nb + 2 * t;
+                        *fq_f32_tile(Us, v, r) = uacc[4 * nb + 2 * h];
+                        *fq_f32_tile(Us, v + 1, r) = uacc[4 * nb + 2 * h + 1];
+                    }
             }
             fq_fence_async_smem();
             fq_named_bar(2, 128);
-            if (tp == 0) fq_mbar_arrive(&ready[s]);
+            if (tp == 0) fq_mbar_arrive(&ready_w[s]);
+            if constexpr (!MAP) {
+            /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk), bf16, into the A'' tile (read
+             * into registers above by every warp: its product has been issued by all) */
+            float gc[16], rkc[16], gr[2], pr[2];
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    gc[2 * nb + e] = rec[FQ_REC_G2 + 8 * nb + 2 * t + e];
+                    rkc[2 * nb + e] = rec[FQ_REC_RK + 8 * nb + 2 * t + e];
+                }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                gr[h] = rec[FQ_REC_G2 + 16 * w + g + 8 * h];
+                pr[h] = rec[FQ_REC_PRQ + 16 * w + g + 8 * h];
+            }
+            fq_wgmma_wait<0>();
+            fq_reg_fence(pacc);
+#pragma unroll
+            for (int nb2 = 0; nb2 < 4; nb2++) {
+                uint32_t pk[2][2];
+#pragma unroll
+                for (int q = 0; q < 2; q++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int nb = 2 * nb2 + q, r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t;
+                        float x[2];
+#pragma unroll
+                        for (int e = 0; e < 2; e++)
+                            x[e] = c + e <= r ? pacc[4 * nb + 2 * h + e] * pr[h] * rkc[2 * nb + e] *
+                                                    exp2f(gr[h] - gc[2 * nb + e])
+                                              : 0.f;
+                        pk[q][h] = fq_pack_bf16(x[0], x[1]);
+                    }
+                fq_stsm_pairs(st + SM::off_a, w, 2 * nb2, pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
+            }
+            fq_fence_async_smem();
+            fq_named_bar(2, 128);
+            if (tp == 0) fq_mbar_arrive(&ready_p[s]);
+            } /* !MAP */
         }
     } else {
         /* ------------------------------------------------------- chain ---- */
@@ -317,13 +350,27 @@ __global__ void __launch_bounds__(384, 1)
         /* S^T: row v = 16 w + g + 8 h (this CTA's column 64 vb + v), column kd = 8 nb + 2 t + e:
          * S[4 nb + 2 h + e] */
         float S[K / 2];
-        const int64_t sbase = ((int64_t)n * HV + j) * K * V + 64 * vb;
+        /* the start state: FULL: h0 (segment 0) or the start state the
+         * combine step chained (segments 1..); MAP: the identity's columns
+         * 64 cb + v (an M block) or zeros (a D block) */
+        const float *s0 = NULL;
+        int64_t s0base = 0;
+        if (!MAP) {
+            if (si.index == 0) {
+                s0 = args.h0;
+                s0base = ((int64_t)n * HV + j) * K * V + 64 * vb;
+            } else {
+                s0 = args.ss;
+                s0base = ((int64_t)gs * HV + j) * K * V + 64 * vb;
+            }
+        }
 #pragma unroll
         for (int nb = 0; nb < K / 8; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                S[4 * nb + e] = args.h0 ? args.h0[sbase + (int64_t)kd * V + v] : 0.f;
+                if (MAP) S[4 * nb + e] = (mblk && kd == 64 * cb + v) ? 1.f : 0.f;
+                else S[4 * nb + e] = s0 ? s0[s0base + (int64_t)kd * V + v] : 0.f;
             }
         uint32_t sb[K / 16][4];
 #pragma unroll
@@ -332,14 +379,17 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < nch; i++) {
             const int s = i % FQ_FUSED_STAGES;
             unsigned char *st = smem + s * SM::stage;
-            fq_mbar_wait(&ready[s], (i / FQ_FUSED_STAGES) & 1);
+            fq_mbar_wait(&ready_w[s], (i / FQ_FUSED_STAGES) & 1);
             float *Us = (float *)(st + SM::off_u);
+            const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
+            const float *qgv = rec + FQ_REC_QG, *kdv = rec + FQ_REC_KD;
             float vacc[32], oacc[32];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const float2 u = *(const float2 *)fq_f32_tile(Us, 16 * w + g + 8 * h, 8 * nb + 2 * t);
+                    float2 u = make_float2(0.f, 0.f);
+                    if (!mblk) u = *(const float2 *)fq_f32_tile(Us, 16 * w + g + 8 * h, 8 * nb + 2 * t);
                     vacc[4 * nb + 2 * h] = u.x;
                     vacc[4 * nb + 2 * h + 1] = u.y;
                 }
@@ -347,85 +397,172 @@ __global__ void __launch_bounds__(384, 1)
             const uint32_t sw0 = fq_smem_u32(st + SM::off_v), sw1 = fq_smem_u32(st + SM::off_w1);
             const uint32_t sp = fq_smem_u32(st + SM::off_a);
             fq_wgmma_fence();
-            /* Vn^T = U^T - S^T W^T (W K-major) */
+            /* group 1: Vn^T = U^T - S^T W^T (W K-major) */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++)
                 fq_wgmma_rs_n64<0, 1>(vacc, sb[kk], fq_desc_sw128((kk < 4 ? sw0 : sw1) + 32 * (kk & 3), 16, 1024), 1);
             fq_wgmma_commit();
-            /* O^T = S^T Qg^T */
+            /* group 2: (Q S)^T = S^T Q^T (Q K-major; its row factors qg are applied below) */
+            if (!MAP) {
 #pragma unroll
-            for (int kk = 0; kk < K / 16; kk++)
-                fq_wgmma_rs_n64<0, 0>(oacc, sb[kk], fq_desc_sw128(sq + (kk >> 2) * FQ_TILE + 32 * (kk & 3), 16, 1024),
-                                      kk > 0);
-            fq_wgmma_commit();
-            fq_wgmma_wait<1>();
+                for (int kk = 0; kk < K / 16; kk++)
+                    fq_wgmma_rs_n64<0, 0>(oacc, sb[kk],
+                                          fq_desc_sw128(sq + (kk >> 2) * FQ_TILE + 32 * (kk & 3), 16, 1024), kk > 0);
+                fq_wgmma_commit();
+            }
+            /* this thread's columns r = 8 nb + 2 t + e of kd */
+            float kdc[16];
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) kdc[2 * nb + e] = kdv[8 * nb + 2 * t + e];
+            const float eC = rec[FQ_REC_EC];
+            if constexpr (MAP) fq_wgmma_wait<0>();
+            else fq_wgmma_wait<1>();
             fq_reg_fence(vacc);
-            uint32_t vn[4][4];
+            /* Vn (for P Vn) and diag(kd) Vn (for the update, so K stays raw) as A fragments */
+            uint32_t vn[4][4], vnd[4][4];
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_acc_to_a(vn[kk], &vacc[8 * kk], 1.f);
-            const float2 sc = scal[s];
+            for (int kk = 0; kk < 4; kk++) {
+                fq_acc_to_a(vn[kk], &vacc[8 * kk], 1.f);
+                const float *x = &vacc[8 * kk];
+                const float k0 = kdc[4 * kk], k1 = kdc[4 * kk + 1], k2 = kdc[4 * kk + 2], k3 = kdc[4 * kk + 3];
+                vnd[kk][0] = fq_pack_bf16(x[0] * k0, x[1] * k1);
+                vnd[kk][1] = fq_pack_bf16(x[2] * k0, x[3] * k1);
+                vnd[kk][2] = fq_pack_bf16(x[4] * k2, x[5] * k3);
+                vnd[kk][3] = fq_pack_bf16(x[6] * k2, x[7] * k3);
+            }
 #pragma unroll
-            for (int e = 0; e < K / 2; e++) S[e] *= sc.x;
+            for (int e = 0; e < K / 2; e++) S[e] *= eC;
             fq_wgmma_fence();
-            /* S^T = e^{gamma_C} S^T + Vn^T Kd (Kd MN-major) */
+            /* group 3: S^T = e^{gamma_C} S^T + (diag(kd) Vn)^T K (K MN-major) */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 if constexpr (K == 128)
-                    fq_wgmma_rs_n128<1, 0>(S, vn[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), 1);
+                    fq_wgmma_rs_n128<1, 0>(S, vnd[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), 1);
                 else
-                    fq_wgmma_rs_n64<1, 0>(S, vn[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), 1);
+                    fq_wgmma_rs_n64<1, 0>(S, vnd[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), 1);
             }
-            /* O^T += Vn^T P^T (P K-major) */
+            fq_wgmma_commit();
+            if constexpr (MAP) {
+                /* no outputs: the stage is free once the update has read K */
+                fq_wgmma_wait<0>();
+                fq_reg_fence(S);
+                fq_named_bar(3, 128);
+                if (tc == 0) fq_mbar_arrive(&empty[s]);
+            } else {
+            /* group 2 done (group 3 may still run): O^T = (Q S)^T diag(qg), then += Vn^T P^T */
+            float qgc[16];
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) qgc[2 * nb + e] = qgv[8 * nb + 2 * t + e];
+            fq_wgmma_wait<1>();
+            fq_reg_fence(oacc);
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= qgc[2 * nb + (e & 1)];
+            fq_mbar_wait(&ready_p[s], (i / FQ_FUSED_STAGES) & 1);
+            fq_wgmma_fence();
+            /* group 4: (P Vn)^T = Vn^T P^T (P K-major) */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(oacc, vn[kk], fq_desc_sw128(sp + 32 * kk, 16, 1024), 1);
             fq_wgmma_commit();
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
             fq_reg_fence(oacc);
+            fq_named_bar(3, 128); /* every warp has read its U^T: the O staging may overwrite it */
 
-            /* O: through U's place (fp32, [r][v]) to global rows r < len */
+            /* O through U's place to global rows r < len */
+            const int len = min(64, si.len - 64 * i);
+            if (args.odt != FQ_F32) {
+                /* 16-bit: the O^T pairs stored transposed (stmatrix) as O [r][v], SWIZZLE_128B rows */
+                unsigned char *Os = st + SM::off_u;
+                const int is_bf16 = args.odt == FQ_BF16;
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
+                for (int nb2 = 0; nb2 < 4; nb2++) {
+                    uint32_t pk[4];
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int v = 16 * w + g + 8 * h, r = 8 * nb + 2 * t;
-                    *fq_f32_tile(Us, r, v) = oacc[4 * nb + 2 * h];
-                    *fq_f32_tile(Us, r + 1, v) = oacc[4 * nb + 2 * h + 1];
-                }
-            fq_named_bar(3, 128);
-            const int len = (int)sc.y;
-            const int64_t orow0 = (int64_t)(si.bos + 64 * i) * HV * V + (int64_t)j * V + 64 * vb;
-            /* thread: row r, 8 consecutive columns v0..v0+7, four such pieces */
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int piece = tc + 128 * q, r = piece >> 3, v0 = (piece & 7) * 8;
-                if (r < len) {
-                    const float4 x0 = *(const float4 *)fq_f32_tile(Us, r, v0);
-                    const float4 x1 = *(const float4 *)fq_f32_tile(Us, r, v0 + 4);
-                    const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                    const int64_t oi = orow0 + (int64_t)r * HV * V + v0;
-                    if (args.odt == FQ_BF16) {
-                        uint4 y = make_uint4(fq_pack_bf16(x[0], x[1]), fq_pack_bf16(x[2], x[3]), fq_pack_bf16(x[4], x[5]),
-                                             fq_pack_bf16(x[6], x[7]));
-                        *(uint4 *)((fq_bf16 *)args.o + oi) = y;
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 8; e += 2) fq_st_f2(args.o, args.odt, oi + e, x[e], x[e + 1]);
+                    for (int m = 0; m < 4; m++) {
+                        const int ix = 4 * (2 * nb2 + (m >> 1)) + 2 * (m & 1);
+                        if (is_bf16) {
+                            pk[m] = fq_pack_bf16(oacc[ix], oacc[ix + 1]);
+                        } else {
+                            __half2 hx = __floats2half2_rn(oacc[ix], oacc[ix + 1]);
+                            pk[m] = *(uint32_t *)&hx;
+                        }
                     }
+                    /* matrix m = 2 (nb - 2 nb2) + h: stored rows r = 8 nb.., columns v = 16 w + 8 h.. */
+                    const int i4 = lane >> 3, nb = 2 * nb2 + (i4 >> 1), h = i4 & 1;
+                    fq_stsm_x4_t(fq_smem_u32(Os + fq_sw128(8 * nb + (lane & 7), 2 * (16 * w + 8 * h))), pk[0], pk[1],
+                                 pk[2], pk[3]);
                 }
+                if (len == 64 && args.o_tma) {
+                    /* one thread stores the tile (TMA) and releases the stage once it is read */
+                    fq_fence_async_smem();
+                    fq_named_bar(3, 128);
+                    if (tc == 0) {
+                        fq_tma_store_3d(&tm_o, Os, 64 * vb, j, si.bos + 64 * i);
+                        fq_bulk_commit();
+                        fq_bulk_wait_read0();
+                        fq_mbar_arrive(&empty[s]);
+                    }
+                } else {
+                    fq_named_bar(3, 128);
+                    uint16_t *orow = (uint16_t *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * V + 64 * vb;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int piece = tc + 128 * q, r = piece >> 3, c8 = piece & 7;
+                        if (r < len)
+                            *(uint4 *)(orow + (int64_t)r * HV * V + 8 * c8) = *(const uint4 *)(Os + fq_sw128(r, 16 * c8));
+                    }
+                    fq_named_bar(3, 128);
+                    if (tc == 0) fq_mbar_arrive(&empty[s]);
+                }
+            } else {
+#pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int v = 16 * w + g + 8 * h, r = 8 * nb + 2 * t, ix = 4 * nb + 2 * h;
+                        *fq_f32_tile(Us, r, v) = oacc[ix];
+                        *fq_f32_tile(Us, r + 1, v) = oacc[ix + 1];
+                    }
+                fq_named_bar(3, 128);
+                float *orow = (float *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * V + 64 * vb;
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const int piece = tc + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
+                    if (r < len) *(float4 *)(orow + (int64_t)r * HV * V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
+                }
+                fq_named_bar(3, 128);
+                if (tc == 0) fq_mbar_arrive(&empty[s]);
             }
-            fq_named_bar(3, 128);
-            if (tc == 0) fq_mbar_arrive(&empty[s]);
+            } /* FULL */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
         }
-        if (args.ht) {
+        if (tc == 0) fq_bulk_wait0(); /* the last tile stores are complete */
+        /* the end state: MAP: columns 64 cb.. of the segment's [M | D]; FULL: ht
+         * when the segment ends its sequence */
+        float *dst = NULL;
+        int64_t dbase = 0, ld = V;
+        if (MAP) {
+            dst = args.md;
+            ld = K + V;
+            dbase = ((int64_t)gs * HV + j) * K * (K + V) + 64 * cb;
+        } else if (si.index == si.count - 1) {
+            dst = args.ht;
+            dbase = ((int64_t)n * HV + j) * K * V + 64 * vb;
+        }
+        if (dst) {
 #pragma unroll
             for (int nb = 0; nb < K / 8; nb++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                    args.ht[sbase + (int64_t)kd * V + v] = S[4 * nb + e];
+                    dst[dbase + (int64_t)kd * ld + v] = S[4 * nb + e];
                 }
         }
     }
@@ -455,10 +592,10 @@ static fq_status fq_encoder(fq_encode_tiled_fn *fn)
     return FQ_OK;
 }
 
-/* A bf16 tensor map over rank dims (innermost first, elements) with the
+/* A bf16 (fp16) tensor map over rank dims (innermost first, elements) with the
  * given strides (bytes, dims 1..), 64 x ... boxes, SWIZZLE_128B. */
 static fq_status fq_tmap(CUtensorMap *m, const void *base, int rank, const uint64_t *dims, const uint64_t *strides,
-                         const uint32_t *box)
+                         const uint32_t *box, int fp16 = 0)
 {
     fq_encode_tiled_fn enc;
     fq_status st = fq_encoder(&enc);
@@ -467,33 +604,183 @@ static fq_status fq_tmap(CUtensorMap *m, const void *base, int rank, const uint6
     cuuint32_t bx[3], es[3] = {1, 1, 1};
     for (int i = 0; i < rank; i++) { d[i] = dims[i]; bx[i] = box[i]; }
     for (int i = 0; i < rank - 1; i++) sb[i] = strides[i];
-    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, sb, bx, es,
+    CUresult r = enc(m, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, sb, bx, es,
                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) return fq_fail(FQ_ERR_CUDA, "cuTensorMapEncodeTiled failed (%d)", (int)r);
     return FQ_OK;
 }
 
-extern "C" int fq_cuda_fwd_fused_available(const fq_gdn_params *p)
+/* -------------------------------------------- context parallelism ----
+ *
+ * A sequence of nc chunks in nseg segments of L = ceil(nc / nseg) chunks.
+ * Segment sigma maps its start state affinely, S_end = M_sigma S + D_sigma
+ * (DESIGN §2: every exponent <= 0, exact for any gate). The forward then
+ * runs, for sequences split at all:
+ *   MAP pass    [M | D] of every segment but the last, from the fused kernel
+ *               in MAP mode (start [I | 0], values [0 | V], no outputs);
+ *   combine     S_0 = h0, S_{sigma+1} = M_sigma S_sigma + D_sigma (fp32);
+ *   FULL pass   every segment at once from its start state.
+ * nseg depends only on the sequence's own chunk count and the head shape. */
+
+/* segments per sequence at most: about 160 CTAs of the MAP pass for one
+ * sequence, from (HV, K, V) only */
+extern "C" int fq_cuda_fwd_nseg_max(const fq_gdn_params *p)
 {
-    if ((p->K != 64 && p->K != 128) || (p->V != 64 && p->V != 128)) return 0;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9) return 0;
-    cudaFuncAttributes fa;
-    const void *k = p->K == 128 ? (const void *)fq_fwd_fused_kernel<128> : (const void *)fq_fwd_fused_kernel<64>;
-    if (cudaFuncGetAttributes(&fa, k) != cudaSuccess || fa.ptxVersion < 90) {
-        cudaGetLastError();
-        return 0;
-    }
-    return 1;
+    int64_t per = p->HV * ((p->K + p->V) / 64);
+    if (per <= 0) return 1;
+    int64_t n = 160 / per;
+    return n < 1 ? 1 : (n > 16 ? 16 : (int)n);
 }
 
-template <int K>
-static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+/* One block of 1024 threads: the segment table from the sequence table
+ * (segment slots past the real count get seq = -1). */
+__global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info *seqs, int N, int nseg_max,
+                                                               int seg_bound, fq_seg_info *segs)
 {
-    const int64_t rows = p->B * p->T;
-    CUtensorMap tq, tk, tv, ta;
+    __shared__ int s_warp[32];
+    __shared__ int s_carry;
+    fq_pdl_trigger();
+    fq_pdl_wait();
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nth = blockDim.x;
+    if (tid == 0) s_carry = 0;
+    __syncthreads();
+    for (int base = 0; base < N; base += nth) {
+        const int n = base + tid;
+        fq_seq_info si = {0, 0, 0, 0};
+        int nseg = 0, L = 1;
+        if (n < N) {
+            si = seqs[n];
+            nseg = si.nchunks / FQ_CP_MIN_CHUNKS;
+            nseg = nseg < 1 ? 1 : (nseg > nseg_max ? nseg_max : nseg);
+            L = (si.nchunks + nseg - 1) / nseg;
+            if (L < 1) L = 1;
+            nseg = si.nchunks > 0 ? (si.nchunks + L - 1) / L : 1; /* an empty sequence: one segment (ht = h0) */
+        }
+        /* exclusive scan of nseg: warp, then the warp totals */
+        int x = nseg;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) s_warp[wid] = x;
+        __syncthreads();
+        if (wid == 0) {
+            int wv = lane < (nth >> 5) ? s_warp[lane] : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                int y = __shfl_up_sync(0xffffffffu, wv, o);
+                if (lane >= o) wv += y;
+            }
+            s_warp[lane] = wv;
+        }
+        __syncthreads();
+        const int first = s_carry + x - nseg + (wid > 0 ? s_warp[wid - 1] : 0);
+        for (int sg = 0; sg < nseg; sg++) {
+            fq_seg_info e;
+            e.seq = n;
+            e.bos = si.bos + 64 * L * sg;
+            e.chunk0 = si.chunk0 + L * sg;
+            e.nchunks = min(L, si.nchunks - L * sg);
+            if (e.nchunks < 0) e.nchunks = 0;
+            e.len = min(64 * L, si.len - 64 * L * sg);
+            if (e.len < 0) e.len = 0;
+            e.index = sg;
+            e.count = nseg;
+            e.first = first;
+            if (first + sg < seg_bound) segs[first + sg] = e;
+        }
+        __syncthreads();
+        if (tid == nth - 1) s_carry = first + nseg;
+        __syncthreads();
+    }
+    const int total = s_carry;
+    for (int sg = total + tid; sg < seg_bound; sg += nth) {
+        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, 0};
+        segs[sg] = e;
+    }
+}
+
+/* The combine step: one block of K threads (thread = state row kd) per
+ * (segment slot, value head, 16 state columns); only a sequence's segment 0
+ * works, walking its segments:
+ *   S_0 = h0 (or 0),  S_{sigma+1} = M_sigma S_sigma + D_sigma  ->  ss[first + sigma + 1] */
+template <int K>
+__global__ void __launch_bounds__(K) fq_fwd_cp_combine_kernel(const fq_seg_info *segs, const float *md, const float *h0,
+                                                              float *ss, int HV, int V)
+{
+    __shared__ float S[K][16];
+    fq_pdl_trigger();
+    fq_pdl_wait();
+    const int nvc = V / 16;
+    const int vc = blockIdx.x % nvc, j = (blockIdx.x / nvc) % HV, gs = blockIdx.x / (nvc * HV);
+    const fq_seg_info si = segs[gs];
+    if (si.seq < 0 || si.index != 0 || si.count < 2) return;
+    const int kd = threadIdx.x;
+    const int64_t hrow = (((int64_t)si.seq * HV + j) * K + kd) * V + 16 * vc;
+    float x[16];
+#pragma unroll
+    for (int c = 0; c < 16; c++) x[c] = h0 ? h0[hrow + c] : 0.f;
+    for (int sg = 0; sg + 1 < si.count; sg++) {
+#pragma unroll
+        for (int c = 0; c < 16; c++) S[kd][c] = x[c];
+        __syncthreads();
+        /* row kd of [M | D] of segment gs + sg */
+        const float *row = md + (((int64_t)(gs + sg) * HV + j) * K + kd) * (K + V);
+#pragma unroll
+        for (int c = 0; c < 16; c++) x[c] = row[K + 16 * vc + c];
+        for (int m = 0; m < K; m += 4) {
+            const float4 mv = *(const float4 *)(row + m);
+            const float mm[4] = {mv.x, mv.y, mv.z, mv.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+#pragma unroll
+                for (int c = 0; c < 16; c++) x[c] += mm[q] * S[m + q][c];
+        }
+        float *dst = ss + (((int64_t)(gs + sg + 1) * HV + j) * K + kd) * V + 16 * vc;
+#pragma unroll
+        for (int c = 0; c < 16; c++) dst[c] = x[c];
+        __syncthreads();
+    }
+}
+
+/* Cached per device: 1 when the kernel's loaded code is the sm_90a one
+ * (PTX version >= 90; not so when the compute_80 PTX was JIT-compiled, e.g.
+ * with CUDA_FORCE_PTX_JIT=1) on a compute-capability 9.x GPU. */
+extern "C" int fq_cuda_fwd_fused_available(const fq_gdn_params *p)
+{
+    static signed char per_dev[64]; /* 0 unknown, 1 yes, 2 no */
+    if ((p->K != 64 && p->K != 128) || (p->V != 64 && p->V != 128)) return 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (per_dev[dev] == 0) {
+        int major = 0;
+        const void *ks[4] = {(const void *)fq_fwd_fused_kernel<64, FQ_FUSED_FULL>,
+                             (const void *)fq_fwd_fused_kernel<128, FQ_FUSED_FULL>,
+                             (const void *)fq_fwd_fused_kernel<64, FQ_FUSED_MAP>,
+                             (const void *)fq_fwd_fused_kernel<128, FQ_FUSED_MAP>};
+        int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9;
+        for (int i = 0; ok && i < 4; i++) {
+            cudaFuncAttributes fa;
+            ok = cudaFuncGetAttributes(&fa, ks[i]) == cudaSuccess && fa.ptxVersion >= 90;
+        }
+        if (!ok) cudaGetLastError();
+        per_dev[dev] = ok ? 1 : 2;
+    }
+    return per_dev[dev] == 1;
+}
+
+/* The tensor maps of one call: q, k, v (bf16), A'' and o (16-bit o at a
+ * 16-byte aligned address; else the kernel stores o per thread). */
+struct fq_fused_maps {
+    CUtensorMap q, k, v, a, o;
+    int o_tma;
+};
+
+template <int K>
+static fq_status fq_fused_maps_of(const fq_gdn_params *p, const fq_fwd_ws *ws, fq_fused_maps *m)
+{
+    /* (an empty problem still needs valid maps: no tile is loaded then) */
+    const int64_t rows = p->B * p->T > 0 ? p->B * p->T : 1;
     const uint32_t box[3] = {64, 1, 64};
     const uint64_t dq[3] = {(uint64_t)K, (uint64_t)p->H, (uint64_t)rows};
     const uint64_t sq[2] = {(uint64_t)K * 2, (uint64_t)p->H * K * 2};
@@ -503,33 +790,68 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cu
     const uint64_t sa[1] = {128};
     const uint32_t boxa[2] = {64, 64};
     fq_status st;
-    if ((st = fq_tmap(&tq, ws->qb, 3, dq, sq, box)) != FQ_OK) return st;
-    if ((st = fq_tmap(&tk, ws->kb, 3, dq, sq, box)) != FQ_OK) return st;
-    if ((st = fq_tmap(&tv, ws->vb, 3, dv, sv, box)) != FQ_OK) return st;
-    if ((st = fq_tmap(&ta, ws->a, 2, da, sa, boxa)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m->q, ws->qb, 3, dq, sq, box)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m->k, ws->kb, 3, dq, sq, box)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m->v, ws->vb, 3, dv, sv, box)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m->a, ws->a, 2, da, sa, boxa)) != FQ_OK) return st;
+    m->o_tma = p->dtype != FQ_F32 && ((uintptr_t)p->o & 15) == 0;
+    if (m->o_tma) return fq_tmap(&m->o, p->o, 3, dv, sv, box, p->dtype == FQ_F16);
+    m->o = m->a; /* unused */
+    return FQ_OK;
+}
+
+template <int K, int MODE>
+static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m,
+                                 cudaStream_t stream)
+{
     fq_fused_args args;
-    args.seqs = ws->seqs;
+    args.segs = ws->segs;
+    args.md = ws->md;
+    args.ss = ws->ss;
     args.rec = ws->rec;
     args.h0 = (const float *)p->h0;
     args.ht = (float *)p->ht;
     args.o = p->o;
     args.odt = p->dtype;
+    args.o_tma = m.o_tma;
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.V = (int)p->V;
-    args.nvb = (int)(p->V / 64);
+    args.ncb = (int)(MODE == FQ_FUSED_MAP ? (K + p->V) / 64 : p->V / 64);
     args.scale = (float)p->scale;
-    const int bytes = fq_fused_smem<K>::bytes;
-    if ((st = fq_cuda_set_smem((const void *)fq_fwd_fused_kernel<K>, bytes)) != FQ_OK) return st;
-    const int64_t blocks = p->N * p->HV * args.nvb;
+    const int64_t blocks = ws->seg_bound * p->HV * args.ncb;
     if (blocks <= 0) return FQ_OK;
-    return fq_launch_k(fq_fwd_fused_kernel<K>, (unsigned)blocks, 384, bytes, stream, fq_cuda_pdl_enabled(), tq, tk, tv,
-                       ta, args);
+    const int bytes = fq_fused_smem<K>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_fused_kernel<K, MODE>, bytes);
+    if (st != FQ_OK) return st;
+    return fq_launch_k(fq_fwd_fused_kernel<K, MODE>, (unsigned)blocks, 384, bytes, stream, fq_cuda_pdl_enabled(), m.q,
+                       m.k, m.v, m.a, m.o, args);
+}
+
+template <int K>
+static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    if (ws->seg_bound <= 0) return FQ_OK;
+    fq_status st;
+    fq_fused_maps m;
+    if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
+    const int pdl = fq_cuda_pdl_enabled();
+    if ((st = fq_launch_k(fq_fwd_segments_kernel, 1, 1024, 0, stream, pdl, (const fq_seq_info *)ws->seqs, (int)p->N,
+                          ws->nseg_max, (int)ws->seg_bound, ws->segs)) != FQ_OK)
+        return st;
+    if (ws->nseg_max > 1) {
+        if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, stream)) != FQ_OK) return st;
+        const unsigned cgrid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
+        if ((st = fq_launch_k(fq_fwd_cp_combine_kernel<K>, cgrid, K, 0, stream, pdl, (const fq_seg_info *)ws->segs,
+                              (const float *)ws->md, (const float *)p->h0, ws->ss, (int)p->HV, (int)p->V)) != FQ_OK)
+            return st;
+    }
+    return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, stream);
 }
 
 extern "C" fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
-    if (p->K == 128) return fq_launch_fused<128>(p, ws, stream);
-    if (p->K == 64) return fq_launch_fused<64>(p, ws, stream);
+    if (p->K == 128) return fq_fwd_fused_k<128>(p, ws, stream);
+    if (p->K == 64) return fq_fwd_fused_k<64>(p, ws, stream);
     return fq_cuda_head_dims_unsupported(p);
 }

@@ -30,7 +30,8 @@ struct fq_wy_args {
     int H, HV;
     float *gamma, *kdecay;
     fq_bf16 *w, *u, *a;
-    float4 *rec; /* fq_fwd_inverse_kernel: per-token gate record {gamma, beta, rk, rq} */
+    float *rec;  /* fq_fwd_inverse_kernel: the gate record (FQ_REC_*)            */
+    float scale; /* fq_fwd_inverse_kernel: o's scale, for the record           */
 };
 
 /* ------------------------------------------------------------------ v2 ----
@@ -400,6 +401,7 @@ static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
     args.rk = ws->rk;
     args.rq = ws->rq;
     args.rec = NULL;
+    args.scale = (float)p->scale;
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.gamma = ws->gamma;
@@ -668,8 +670,9 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
  * only
  *
  *     gamma = cumsum(g),  L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk))
- *     A     = (I + L)^-1                       bf16 [64][64], zeros above the diagonal
- *     rec_r = {gamma_r, beta_r, rk_r, rq_r}    the gate record the fused kernel reads
+ *     A     = (I + L)^-1, stored as A'' = A diag(beta)   bf16 [64][64], zeros above the diagonal
+ *     rec   = the gate record (FQ_REC_*: gamma, the row and column factors,
+ *             beta, e^{gamma_C}) the fused kernel reads
  *
  * Everything stays in registers and tensor cores (v2 and v3 above solve the
  * off-diagonal blocks in fp32 FFMA from shared memory, warp 0 doing most of
@@ -691,8 +694,9 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
  * one bf16 scratch tile per warp for the right factor of its products. */
 template <int K> struct fq_inv_smem {
     static constexpr int LDK = K + 8, LDA = 72, LDX = 40, LDD = 20;
-    static constexpr int off_k = 0;
-    static constexpr int off_a = off_k + 64 * LDK * 2;
+    static constexpr int off_k = 0;                     /* K tiles, double-buffered */
+    static constexpr int off_k1 = off_k + 64 * LDK * 2;
+    static constexpr int off_a = off_k1 + 64 * LDK * 2;
     static constexpr int off_x = off_a + 64 * LDA * 2;
     static constexpr int off_d = off_x + 4 * 16 * LDX * 2;
     static constexpr int off_vec = off_d + 4 * 16 * LDD * 4;
@@ -747,46 +751,16 @@ static __device__ __forceinline__ void fq_inv_store_c(fq_bf16 *s, int ld, int c0
     }
 }
 
+/* One item (chunk, value head j): K tile, gate vectors and zeroed A in
+ * shared memory, 128 threads. Writes A'' and the record of `item`. */
 template <int K>
-__global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args)
+static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
+                                                   const fq_bf16 *Ks, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
+                                                   const float *gam, const float *bet, const float *rkv)
 {
     typedef fq_inv_smem<K> SM;
-    extern __shared__ __align__(16) unsigned char smem[];
-    fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
-    fq_bf16 *Ab = (fq_bf16 *)(smem + SM::off_a);
-    fq_bf16 *Xs = (fq_bf16 *)(smem + SM::off_x);
-    float *Ld = (float *)(smem + SM::off_d);
-    float *gam = (float *)(smem + SM::off_vec);
-    float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
-
-    const int HV = args.HV;
-    const int chunk = blockIdx.x / HV, j = blockIdx.x % HV;
-    fq_pdl_trigger();
-    fq_pdl_wait();
-    const fq_chunk_info ci = args.chunks[chunk];
-    if (ci.seq < 0) return;
-    const int hq = j / (HV / args.H);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
-
-    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-        const fq_bf16 *src = args.kb;
-        int bytes = 0;
-        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
-        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
-    }
-    fq_cp_async_commit();
-    /* A starts as zeros: the blocks above the diagonal stay zero */
-    for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
-    if (warp == 0) {
-        float gv[2], bv[2], rv[2];
-        fq_wy_gates(args, ci, j, gv, bv, rv);
-        fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
-    }
-    fq_cp_async_wait<0>();
-    __syncthreads();
-
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
      * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
     float l[8][4];
@@ -901,18 +875,95 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args)
     }
     __syncthreads();
 
-    /* A (bf16, zeros above the diagonal) and the gate record */
-    const int64_t item = (int64_t)blockIdx.x; /* chunk * HV + j */
+    /* A'' = A diag(beta) (bf16, zeros above the diagonal) and the gate record */
     fq_bf16 *ag = args.a + item * 64 * 64;
     for (int idx = tid; idx < 64 * 8; idx += 128) {
         int r = idx >> 3, c = (idx & 7) * 8;
-        *(uint4 *)(ag + r * 64 + c) = *(const uint4 *)(Ab + r * SM::LDA + c);
+        uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
+        uint32_t *px = (uint32_t *)&x;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float2 y = fq_unpack_bf16(px[e]);
+            px[e] = fq_pack_bf16(y.x * bet[c + 2 * e], y.y * bet[c + 2 * e + 1]);
+        }
+        *(uint4 *)(ag + r * 64 + c) = x;
     }
     if (tid < 64) {
         float rq = 0.f;
         if (tid < ci.len) rq = args.rq ? args.rq[(int64_t)(ci.row0 + tid) * args.H + hq] : 1.f;
-        args.rec[item * 64 + tid] = make_float4(gam[tid], bet[tid], rkv[tid], rq);
+        float *rec = args.rec + item * FQ_REC_FLOATS;
+        const float ga = gam[tid], eg = __expf(ga), rk = rkv[tid];
+        rec[FQ_REC_G2 + tid] = ga * 1.4426950408889634f;
+        rec[FQ_REC_RK + tid] = rk;
+        rec[FQ_REC_PRQ + tid] = args.scale * rq;
+        rec[FQ_REC_FA1 + tid] = eg * rk;
+        rec[FQ_REC_QG + tid] = args.scale * eg * rq;
+        rec[FQ_REC_KD + tid] = __expf(gam[63] - ga) * rk;
+        rec[FQ_REC_BETA + tid] = bet[tid];
+        if (tid < 4) rec[FQ_REC_EC + tid] = tid == 0 ? __expf(gam[63]) : 0.f;
     }
+}
+
+/* Persistent: grid min(items, SMs x 4) blocks loop over the items
+ * it = (chunk, value head) = blockIdx.x, blockIdx.x + gridDim.x, ...; the
+ * next item's K tile (cp.async, double-buffered) and gates (registers of
+ * warp 0) are in flight while the current one is computed. */
+template <int K>
+__global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args, int64_t items)
+{
+    typedef fq_inv_smem<K> SM;
+    extern __shared__ __align__(16) unsigned char smem[];
+    fq_bf16 *Ab = (fq_bf16 *)(smem + SM::off_a);
+    fq_bf16 *Xs = (fq_bf16 *)(smem + SM::off_x);
+    float *Ld = (float *)(smem + SM::off_d);
+    float *gam = (float *)(smem + SM::off_vec);
+    float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
+    const int HV = args.HV, H = args.H;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t stride = gridDim.x;
+    fq_pdl_trigger();
+    fq_pdl_wait();
+
+    /* the item's K rows (zeros past len) into buffer b; no commit */
+    auto issue = [&](fq_chunk_info c, int64_t it, int b) {
+        const int hq = (int)(it % HV) / (HV / H);
+        fq_bf16 *Kb = (fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k));
+        if (c.seq < 0) return;
+        for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+            int r = idx / (K / 8), cc = (idx % (K / 8)) * 8;
+            const fq_bf16 *src = args.kb;
+            int bytes = 0;
+            if (r < c.len) { src = args.kb + ((int64_t)(c.row0 + r) * H + hq) * K + cc; bytes = 16; }
+            fq_cp_async16(Kb + r * SM::LDK + cc, src, bytes);
+        }
+    };
+    int64_t it = blockIdx.x;
+    fq_chunk_info ci = fq_wy3_chunk(args, it, items);
+    issue(ci, it, 0);
+    fq_cp_async_commit();
+    float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
+    if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
+#pragma unroll 1
+    for (int buf = 0; it < items; it += stride, buf ^= 1) {
+        const int64_t nit = it + stride;
+        const fq_chunk_info cn = fq_wy3_chunk(args, nit, items);
+        __syncthreads(); /* the previous item is done with A, the scratch, the vectors and buffer buf ^ 1 */
+        issue(cn, nit, buf ^ 1);
+        fq_cp_async_commit();
+        /* A starts as zeros: the blocks above the diagonal stay zero */
+        for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
+        if (warp == 0) {
+            fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
+            fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
+        }
+        fq_cp_async_wait<1>(); /* this item's group */
+        __syncthreads();
+        if (ci.seq >= 0) /* block-uniform */
+            fq_inv_item<K>(args, ci, (int)(it % HV) / (HV / H), it,
+                           (const fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k)), Ab, Xs, Ld, gam, bet, rkv);
+        ci = cn;
+    }
+    fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
 
 template <int K>
@@ -921,7 +972,15 @@ static fq_status fq_launch_inverse(const fq_wy_args &args, int64_t blocks, cudaS
     int bytes = fq_inv_smem<K>::bytes;
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_inverse_kernel<K>, (unsigned)blocks, 128, bytes, stream, fq_cuda_pdl_enabled(), args);
+    int dev = 0, sms = 0, per_sm = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_inverse_kernel<K>, 128, bytes));
+    if (per_sm < 1) per_sm = 1;
+    int64_t grid = (int64_t)sms * per_sm;
+    if (grid > blocks) grid = blocks;
+    return fq_launch_k(fq_fwd_inverse_kernel<K>, (unsigned)grid, 128, bytes, stream, fq_cuda_pdl_enabled(), args,
+                       blocks);
 }
 
 extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)

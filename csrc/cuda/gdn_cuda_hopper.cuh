@@ -2,7 +2,7 @@
  * gdn_cuda_hopper.cuh — the Hopper (sm_90a) instructions flashqla uses, as
  * inline-PTX wrappers, and nothing else: wgmma (warpgroup matrix multiply)
  * with its shared-memory descriptors, mbarrier, TMA tile loads
- * (cp.async.bulk.tensor), the async-proxy fence and setmaxnreg. Every wrapper compiles to nothing outside sm_90a
+ * (cp.async.bulk.tensor), stmatrix, the async-proxy fence and setmaxnreg. Every wrapper compiles to nothing outside sm_90a
  * (__CUDA_ARCH_FEAT_SM90_ALL), so the compute_80 PTX fallback build stays
  * valid; kernels that use them run only where the sm_90a code does (the
  * launchers check the PTX version of the loaded kernel).
@@ -177,6 +177,28 @@ static __device__ __forceinline__ void fq_wgmma_rs_n128(float (&d)[64], const ui
 }
 #undef FQ_D8
 
+/* Four 8x8 b16 matrices from registers to shared memory (stmatrix): lane l
+ * gives the address of row l % 8 of matrix l / 8; r[i] holds the thread's
+ * pair of matrix i in the accumulator layout (row g, columns 2t, 2t+1).
+ * _t: each matrix stored transposed (that pair goes to rows 2t, 2t+1 of
+ * column g). */
+static __device__ __forceinline__ void fq_stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
+{
+#if FQ_SM90A
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3)
+{
+#if FQ_SM90A
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+#endif
+}
+
 /* --------------------------------------------------------------- mbarrier ---- */
 
 static __device__ __forceinline__ void fq_mbar_init(uint64_t *bar, int count)
@@ -246,6 +268,48 @@ static __device__ __forceinline__ void fq_tma_load_3d(void *dst, const void *tma
         "[%2];\n" ::"r"(fq_smem_u32(dst)),
         "l"((uint64_t)tmap), "r"(fq_smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
         : "memory");
+#endif
+}
+/* Contiguous bulk copy global -> shared of `bytes` (a multiple of 16, both
+ * addresses 16-byte aligned), completing `bar`'s transactions. */
+static __device__ __forceinline__ void fq_bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+#if FQ_SM90A
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     fq_smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(fq_smem_u32(bar))
+                 : "memory");
+#endif
+}
+
+/* Tile store shared -> global through a tensor map (bulk async group), then
+ * the group bookkeeping: _read waits until the shared-memory source may be
+ * reused, the plain wait until the global writes are done. */
+static __device__ __forceinline__ void fq_tma_store_3d(const void *tmap, const void *src, int c0, int c1, int c2)
+{
+#if FQ_SM90A
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     (uint64_t)tmap),
+                 "r"(fq_smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_bulk_commit(void)
+{
+#if FQ_SM90A
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_bulk_wait_read0(void)
+{
+#if FQ_SM90A
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void fq_bulk_wait0(void)
+{
+#if FQ_SM90A
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
 static __device__ __forceinline__ void fq_tma_prefetch_desc(const void *tmap)

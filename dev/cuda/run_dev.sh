@@ -31,7 +31,7 @@ echo "=== check_fwd quick"
 timeout 150 $BIN/check_fwd quick > $OUTDIR/check_fwd_quick.log 2>&1; rc=$?
 grep -E "FAIL|stage A|max \|dA" $OUTDIR/check_fwd_quick.log | head -40
 echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd_quick.log) ok, $(grep -c 'FAIL' $OUTDIR/check_fwd_quick.log) FAIL lines)"
-grep -E "ladder|correctness:" $OUTDIR/check_fwd_quick.log
+grep -E "ladder|cp |batch|correctness:" $OUTDIR/check_fwd_quick.log
 echo "=== memcheck (tiny) and racecheck (race), in parallel"
 ( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 $BIN/check_fwd tiny > $OUTDIR/memcheck.log 2>&1 ) &
 j1=$!
