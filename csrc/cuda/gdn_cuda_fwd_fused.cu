@@ -162,10 +162,12 @@ __global__ void __launch_bounds__(384, 1)
 
     if (tid == 0) {
         for (int s = 0; s < FQ_FUSED_STAGES; s++) {
+            /* full: the producer's one arrival plus the TMA bytes; the others:
+             * every thread of the warpgroup arrives after its own accesses */
             fq_mbar_init(&full[s], 1);
-            fq_mbar_init(&ready_w[s], 1);
-            fq_mbar_init(&ready_p[s], 1);
-            fq_mbar_init(&empty[s], 1);
+            fq_mbar_init(&ready_w[s], 128);
+            fq_mbar_init(&ready_p[s], 128);
+            fq_mbar_init(&empty[s], 128);
         }
         fq_mbar_init_fence();
         fq_tma_prefetch_desc(&tm_q);
@@ -299,8 +301,7 @@ __global__ void __launch_bounds__(384, 1)
                     }
             }
             fq_fence_async_smem();
-            fq_named_bar(2, 128);
-            if (tp == 0) fq_mbar_arrive(&ready_w[s]);
+            fq_mbar_arrive(&ready_w[s]);
             if constexpr (!MAP) {
             /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk), bf16, into the A'' tile (read
              * into registers above by every warp: its product has been issued by all) */
@@ -338,8 +339,7 @@ __global__ void __launch_bounds__(384, 1)
                 fq_stsm_pairs(st + SM::off_a, w, 2 * nb2, pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
             }
             fq_fence_async_smem();
-            fq_named_bar(2, 128);
-            if (tp == 0) fq_mbar_arrive(&ready_p[s]);
+            fq_mbar_arrive(&ready_p[s]);
             } /* !MAP */
         }
     } else {
@@ -448,8 +448,7 @@ __global__ void __launch_bounds__(384, 1)
                 /* no outputs: the stage is free once the update has read K */
                 fq_wgmma_wait<0>();
                 fq_reg_fence(S);
-                fq_named_bar(3, 128);
-                if (tc == 0) fq_mbar_arrive(&empty[s]);
+                fq_mbar_arrive(&empty[s]);
             } else {
             /* group 2 done (group 3 may still run): O^T = (Q S)^T diag(qg), then += Vn^T P^T */
             float qgc[16];
@@ -506,8 +505,8 @@ __global__ void __launch_bounds__(384, 1)
                         fq_tma_store_3d(&tm_o, Os, 64 * vb, j, si.bos + 64 * i);
                         fq_bulk_commit();
                         fq_bulk_wait_read0();
-                        fq_mbar_arrive(&empty[s]);
                     }
+                    fq_mbar_arrive(&empty[s]);
                 } else {
                     fq_named_bar(3, 128);
                     uint16_t *orow = (uint16_t *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * V + 64 * vb;
@@ -517,8 +516,7 @@ __global__ void __launch_bounds__(384, 1)
                         if (r < len)
                             *(uint4 *)(orow + (int64_t)r * HV * V + 8 * c8) = *(const uint4 *)(Os + fq_sw128(r, 16 * c8));
                     }
-                    fq_named_bar(3, 128);
-                    if (tc == 0) fq_mbar_arrive(&empty[s]);
+                    fq_mbar_arrive(&empty[s]);
                 }
             } else {
 #pragma unroll
@@ -536,8 +534,7 @@ __global__ void __launch_bounds__(384, 1)
                     const int piece = tc + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
                     if (r < len) *(float4 *)(orow + (int64_t)r * HV * V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
                 }
-                fq_named_bar(3, 128);
-                if (tc == 0) fq_mbar_arrive(&empty[s]);
+                fq_mbar_arrive(&empty[s]);
             }
             } /* FULL */
 #pragma unroll

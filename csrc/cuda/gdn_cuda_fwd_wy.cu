@@ -779,12 +779,30 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             fq_mma_bf16(l[2 * n2 + 1], a, b[2], b[3]);
         }
     }
+    {
+        /* the row factors beta_r rk_r and gamma_r of this thread's rows, then
+         * column block by column block (blocks above warp w's are all zero;
+         * only the diagonal one needs the c < r mask) */
+        const float L2E = 1.4426950408889634f;
+        float fr[2], gr[2];
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * warp + gq + 8 * h;
+            fr[h] = bet[r] * rkv[r];
+            gr[h] = gam[r] * L2E;
+        }
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int r = 16 * warp + gq + 8 * (e >> 1), c = 8 * n + 2 * tq + (e & 1);
-            l[n][e] = (c < r) ? bet[r] * rkv[r] * rkv[c] * __expf(gam[r] - gam[c]) * l[n][e] : 0.f;
+        for (int n = 0; n < 8; n++) {
+            if ((n >> 1) > warp) continue; /* warp-uniform; l[n] stays zero */
+            const int c0 = 8 * n + 2 * tq;
+            const float k0 = rkv[c0], k1 = rkv[c0 + 1], g0 = gam[c0] * L2E, g1 = gam[c0 + 1] * L2E;
+            const int diag = (n >> 1) == warp;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1, r = 16 * warp + gq + 8 * h, c = c0 + (e & 1);
+                const float x = fr[h] * ((e & 1) ? k1 : k0) * exp2f(gr[h] - ((e & 1) ? g1 : g0)) * l[n][e];
+                l[n][e] = (!diag || c < r) ? x : 0.f;
+            }
         }
     }
 
