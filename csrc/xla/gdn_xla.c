@@ -40,7 +40,11 @@ const char *fq_xla_api_version(void) { return ""; }
 
 #define FQ_XLA_STR2(x) #x
 #define FQ_XLA_STR(x) FQ_XLA_STR2(x)
-#define FQ_XLA_WORKSPACE_ALIGN 256
+/* XLA's device allocator refuses alignments above its own (seen on the
+ * H200: "Unsupported alignment: 256"): ask for 64 and round the start up to
+ * the 256 bytes the workspace layouts use. */
+#define FQ_XLA_WORKSPACE_ALIGN 64
+#define FQ_XLA_WORKSPACE_PAD 256
 
 typedef enum { FQ_XLA_CPU, FQ_XLA_CUDA } fq_xla_platform;
 
@@ -363,11 +367,12 @@ static XLA_FFI_Error *fq_xla_run(XLA_FFI_CallFrame *frame, fq_gdn_params *p, cha
     if (need > 0) {
         aa.struct_size = XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE;
         aa.ctx = frame->ctx;
-        aa.size = need;
+        aa.size = need + FQ_XLA_WORKSPACE_PAD;
         aa.alignment = FQ_XLA_WORKSPACE_ALIGN;
         err = api->XLA_FFI_DeviceMemory_Allocate(&aa);
         if (err) return err;
-        p->workspace = aa.data;
+        uintptr_t base = ((uintptr_t)aa.data + FQ_XLA_WORKSPACE_PAD - 1) & ~(uintptr_t)(FQ_XLA_WORKSPACE_PAD - 1);
+        p->workspace = (void *)base;
         p->workspace_bytes = need;
     }
     st = op == 'f' ? fq_cuda_chunk_fwd(p) : op == 'b' ? fq_cuda_chunk_bwd(p) : fq_cuda_recurrent(p);
@@ -379,7 +384,7 @@ static XLA_FFI_Error *fq_xla_run(XLA_FFI_CallFrame *frame, fq_gdn_params *p, cha
         memset(&fa, 0, sizeof fa);
         fa.struct_size = XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE;
         fa.ctx = frame->ctx;
-        fa.size = need;
+        fa.size = need + FQ_XLA_WORKSPACE_PAD;
         fa.data = aa.data;
         XLA_FFI_Error *ferr = api->XLA_FFI_DeviceMemory_Free(&fa);
         if (ferr && !err) err = ferr;

@@ -403,7 +403,9 @@ static void check_errors(void)
     fq_params_init(&p);
     p.B = 1; p.T = 10; p.H = 1; p.HV = 1; p.K = 96; p.V = 96; p.N = 1;
     p.dtype = FQ_BF16;
-    p.q = p.k = p.v = p.g = p.beta = p.o = (void *)256;
+    /* distinct fake addresses: the aliasing check must not be what refuses */
+    p.q = (void *)0x100000; p.k = (void *)0x200000; p.v = (void *)0x300000; p.g = (void *)0x400000;
+    p.beta = (void *)0x500000; p.o = (void *)0x600000;
     fq_status st = fq_cuda_chunk_fwd(&p);
     int ok1 = st == FQ_ERR_VALUE && strstr(fq_last_error(), "K in {64, 128}");
     printf("  %-46s %d \"%s\" %s\n", "K=96 rejected", (int)st, fq_last_error(), ok1 ? "ok" : "FAIL");
