@@ -41,9 +41,10 @@ const char *fq_xla_api_version(void) { return ""; }
 #define FQ_XLA_STR2(x) #x
 #define FQ_XLA_STR(x) FQ_XLA_STR2(x)
 /* XLA's device allocator refuses alignments above its own (seen on the
- * H200: "Unsupported alignment: 256"): ask for 64 and round the start up to
+ * H200: "Unsupported alignment: 256", and 64 too: XLA's FFI allows 16 at most): ask
+ * for 16 and round the start up to
  * the 256 bytes the workspace layouts use. */
-#define FQ_XLA_WORKSPACE_ALIGN 64
+#define FQ_XLA_WORKSPACE_ALIGN 16
 #define FQ_XLA_WORKSPACE_PAD 256
 
 typedef enum { FQ_XLA_CPU, FQ_XLA_CUDA } fq_xla_platform;
