@@ -160,7 +160,8 @@ typedef struct fq_gdn_params {
      * n starts from state[state_indices[n]] (slot n without indices; zeros for
      * a negative slot) and its final state is written back there (nothing for
      * a negative slot). h0 and ht must be NULL then. Non-negative slots must
-     * be distinct (also in the recurrent step). */
+     * be distinct (also in the recurrent step). The CUDA backend cannot read
+     * the indices from the host: there a slot >= P counts as negative. */
 
     /* Prefix-cache checkpoints (chunk forward only). checkpoint_every > 0 (a
      * multiple of 64): for sequence n of length L_n, the state after

@@ -27,6 +27,8 @@ struct fq_state_args {
      * idx[n] (no load and no store for a negative slot); idx NULL: slot n */
     const void *idx;
     int idx_is64;
+    int64_t P;               /* pool slots: a slot >= P (not checkable from the host) is
+                                treated like a negative one */
     int vk;                  /* states [V][K] (fq_state_at) */
     /* [serving] checkpoints: every ck_chunks chunks the state to row
      * cu_ck[n] + c - 1 of ckpt [rows, HV, K, V] (NULL: none) */
@@ -96,7 +98,10 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
      * [serving] pool-indexed prefill: the slice of slot idx[n] (zeros, and no
      * final store, for a negative slot); either state layout. */
     int64_t slot = n;
-    if (args.idx) slot = args.idx_is64 ? ((const int64_t *)args.idx)[n] : ((const int32_t *)args.idx)[n];
+    if (args.idx) {
+        slot = args.idx_is64 ? ((const int64_t *)args.idx)[n] : ((const int32_t *)args.idx)[n];
+        if (slot >= args.P) slot = -1;
+    }
     /* [serving] a slot an earlier sequence names too belongs to that one (as in
      * the recurrent step, gdn.h): this sequence runs from a NaN state (its o
      * comes out NaN) and writes nothing back */
@@ -363,6 +368,7 @@ extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_
     /* [serving] pool, layout, checkpoints (gdn.h) */
     args.idx = NULL;
     args.idx_is64 = 0;
+    args.P = p->P;
     if (p->state) { /* pool-indexed prefill: h0 and ht are the pool (h0, ht NULL then) */
         args.h0 = args.ht = (float *)p->state;
         args.idx = p->state_indices;

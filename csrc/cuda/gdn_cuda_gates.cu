@@ -52,7 +52,7 @@ __global__ void fq_gates_fwd_kernel(const void *g, const void *beta, fq_dtype gd
     }
 }
 
-/* Thread (head j, slab s): the elementwise chain rule for the slab's tokens
+/* Thread (head j, slab s = blockIdx.x): the elementwise chain rule for the slab's tokens
  * of head j, and the slab's sums of dg * g and da (token order). Threads of
  * a warp take consecutive heads, so every load and store is coalesced. */
 __global__ void fq_gates_bwd_slab_kernel(const void *a_raw, fq_dtype gdt, const float *g, const float *beta,
@@ -60,8 +60,8 @@ __global__ void fq_gates_bwd_slab_kernel(const void *a_raw, fq_dtype gdt, const 
                                          const float *dt_bias, int use_gate, int use_sig, int HV, int64_t tokens,
                                          void *da_out, void *db_out, double *part)
 {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t s = blockIdx.y;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    const int64_t s = blockIdx.x;
     if (j >= HV) return;
     const float Aexp = use_gate ? __expf(A_log[j]) : 0.f, dtb = use_gate && dt_bias ? dt_bias[j] : 0.f;
     double sum_dA = 0, sum_ddt = 0;
@@ -152,7 +152,7 @@ extern "C" fq_status fq_cuda_gates_end(const fq_gdn_params *p, const fq_gdn_para
     double *part = (double *)((char *)p->workspace + 4 * e);
     const int HV = (int)p->HV, th = HV < 128 ? (HV + 31) / 32 * 32 : 128;
     if (slabs > 0) {
-        dim3 grid((unsigned)((HV + th - 1) / th), (unsigned)slabs);
+        dim3 grid((unsigned)slabs, (unsigned)((HV + th - 1) / th)); /* slabs in x: no 65535 limit */
         fq_gates_bwd_slab_kernel<<<grid, th, 0, stream>>>(p->g, p->gate_dtype, (const float *)q->g,
                                                           (const float *)q->beta, (const float *)q->dg,
                                                           (const float *)q->dbeta, (const float *)p->A_log,
