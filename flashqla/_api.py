@@ -65,6 +65,8 @@ def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
               use_beta_sigmoid_in_kernel: bool = False) -> Tuple[Any, ...]:
     """Gated delta rule, chunked (prefill / training). Returns (o, final_state).
 
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N + 1] (packed sequences, B == 1; N = B without).
     o [B, T, HV, V] in q's dtype; final_state [N, HV, K, V] (float32, float64
     with float64 inputs) or None unless output_final_state. scale defaults to
     K ** -0.5. With PyTorch tensors this is torch.ops.flashqla.chunk_fwd:
@@ -158,7 +160,9 @@ def gdn_chunk_fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
                   ) -> Tuple[Array, Optional[Array], ChunkContext]:
     """Chunked forward of the gated delta rule without autograd.
 
-    Shapes and options as gdn_chunk (but the pool and checkpoints). Returns
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N + 1] (packed sequences, B == 1; N = B without).
+    Options as gdn_chunk (but the pool and checkpoints). Returns
     (o, final_state, ctx): final_state is None unless output_final_state; ctx
     goes to gdn_chunk_bwd. Works for every framework (JAX: flashqla.jax's
     custom calls, without the serving options: use flashqla.jax.gdn_chunk,
@@ -188,7 +192,8 @@ def gdn_chunk_fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
 
 def gdn_chunk_bwd(ctx: ChunkContext, do: Array,
                   dfinal_state: Optional[Array] = None) -> Tuple[Optional[Array], ...]:
-    """Backward of gdn_chunk_fwd: from do [B, T, HV, V] (and dfinal_state,
+    """Backward of gdn_chunk_fwd (the forward's inputs q, k [B, T, H, K],
+    v [B, T, HV, V], g, beta [B, T, HV] are in ctx): from do [B, T, HV, V] (and dfinal_state,
     None meaning zero) returns (dq, dk, dv, dg, dbeta, dinitial_state), each
     in the dtype of its input; dinitial_state is None when no initial state
     was given. With use_gate_in_kernel also dA_log, ddt_bias (ddt_bias None
@@ -211,6 +216,9 @@ def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Ar
                   A_log: Optional[Array] = None, dt_bias: Optional[Array] = None,
                   use_beta_sigmoid_in_kernel: bool = False) -> Array:
     """Recurrent step (decode / multi-token verify) against a state pool.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; state [P, HV, K, V];
+    state_indices [N]; cu_seqlens [N + 1] (B == 1; N = B without).
 
     state [P, HV, K, V] (float32; float64 with float64 inputs) is read and
     updated in place: sequence n (row n of the batch, or cu_seqlens[n] ..
@@ -280,7 +288,8 @@ def gdn_commit(state: Array, intermediate_states: Array, state_indices: Optional
     num_accepted[n] - 1], in place; num_accepted[n] = 0 keeps the slot.
 
     state [P, HV, K, V]; intermediate_states [N, Ti, HV, K, V] (as written
-    by gdn_recurrent(..., intermediate_states=..., update_state=False));
+    by gdn_recurrent(..., intermediate_states=..., update_state=False) from
+    its q, k [B, T, H, K], v [B, T, HV, V] and gates [B, T, HV]);
     state_indices, num_accepted [N] int32/int64 (0 <= num_accepted <= Ti: on
     the CPU others raise ValueError; on CUDA, where the host cannot read
     them without a synchronisation, such entries leave their slot as it was).
