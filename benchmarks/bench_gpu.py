@@ -61,7 +61,7 @@ process flips fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1, and its reference check
 its gradients then meet the project's tolerances (fla_grad_check_ok on bwd/train rows).
 
 Usage:
-    python3 benchmarks/bench_gpu.py [--rows fwd|bwd|train|decode|all|fwd,train...] [--quick]
+    python3 benchmarks/bench_gpu.py [--rows fwd|bwd|train|decode|verify|all|fwd,train...] [--quick]
         [--time-budget S] [--no-fla] [--no-flash-qla] [--out DIR] [--table-file F] [--dry-run]
 Writes DIR/h200_<date>.json (+ .png), rewritten after every row (a run stopped by the time budget
 or killed keeps what it measured), copies both to $OUT when OUT is set, and prints the table LAST.
@@ -172,8 +172,28 @@ DECODE_ROWS = [
     dict(H=16, HV=32, N=256, T=1, anchor={"fla_ours": 0.3647, "floor": 0.2515}),
     dict(H=16, HV=32, N=64, T=4, anchor={"fla_ours": 0.1262, "floor": 0.0629}),
     dict(H=2, HV=8, N=256, T=1, anchor={"fla_ours": 0.0935, "floor": 0.0629}),
+    # issue 11: the vLLM / FlashInfer pool layout [N, HV, V, K] (FLA: state_v_first=True)
+    dict(H=16, HV=32, N=1, T=1, state_layout="vk", anchor={}),
+    dict(H=16, HV=32, N=64, T=1, state_layout="vk", anchor={}),
 ]
-PASSES = ("fwd", "bwd", "train", "decode")
+# issue 11, speculative verify (MTP): T draft tokens per sequence, the state after each written
+# to an intermediate buffer [N, T, HV, K, V], the pool untouched (update_state=False). FLA 0.6.0's
+# fused_recurrent returns no intermediate states: its column is the same T tokens with the
+# final state only. Floor: the pool read once + T states written + the token inputs/outputs.
+VERIFY_ROWS = [
+    dict(H=16, HV=32, N=1, T=4, anchor={}),
+    dict(H=16, HV=32, N=16, T=4, anchor={}),
+    dict(H=16, HV=32, N=64, T=4, anchor={"fla_ours": 0.1262}),
+]
+# issue 11, fused-gate prefill: g, beta are the raw a, b [B, T, HV] and the kernels compute
+# g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (FLA 0.6.0's use_gate_in_kernel and
+# use_beta_sigmoid_in_kernel; FLA timed with the same options; FlashQLA has no fused gates).
+FWD_ROWS += [
+    dict(H=16, HV=32, seqlens=[8192], layout="single", gates="fused", anchor=_anchor(None, None, None, None)),
+    dict(H=16, HV=32, seqlens=[32768], layout="single", gates="fused", anchor=_anchor(None, None, None, None)),
+    dict(H=16, HV=32, seqlens=[1024] * 8, layout="batch", gates="fused", anchor=_anchor(None, None, None, None)),
+]
+PASSES = ("fwd", "bwd", "train", "decode", "verify")
 # The float64 reference check's shape (also JIT-compiled by FlashQLA: prebuilt with the rows).
 CHECK_SHAPE = dict(H=2, HV=4, seqlens=[256], layout="single")
 
@@ -198,6 +218,8 @@ def plan_rows(rows_arg, max_rows=0):
         plan += [(p, s) for p in ("bwd", "train") if p in want]
     if "decode" in want:
         plan += [("decode", s) for s in cut(DECODE_ROWS)]
+    if "verify" in want:
+        plan += [("verify", s) for s in cut(VERIFY_ROWS)]
     return plan
 
 
@@ -227,11 +249,12 @@ def chunk_cost(pass_, H, HV, tokens, N):
     return flops, nbytes
 
 
-def decode_cost(H, HV, N, T):
+def decode_cost(H, HV, N, T, verify=False):
+    """decode: the pool read and written once; verify: read once, T states written."""
     K, V = K_DIM, V_DIM
     state = N * HV * K * V * 4
     io = N * T * (2 * H * K * 2 + 2 * HV * V * 2 + 2 * HV * 4)
-    return DECODE_FLOP * N * T * HV, 2 * state + io
+    return DECODE_FLOP * N * T * HV, ((1 + T) * state if verify else 2 * state) + io
 
 
 def floor_ms(flops, nbytes):
@@ -239,11 +262,13 @@ def floor_ms(flops, nbytes):
 
 
 def row_label(r):
-    if r["pass"] == "decode":
-        return "decode %d/%d N=%d T=%d" % (r["H"], r["HV"], r["N"], r["T"])
+    if r["pass"] in ("decode", "verify"):
+        return "%s %d/%d N=%d T=%d%s" % (r["pass"], r["H"], r["HV"], r["N"], r["T"],
+                                         " vk" if r.get("state_layout") == "vk" else "")
     s = r["seqlens"]
     seq = "+".join(str(x) for x in s) if r.get("layout") == "varlen" else "%dx%d" % (len(s), s[0])
-    return "%s %d/%d %s" % (r["pass"], r["H"], r["HV"], seq)
+    return "%s%s %d/%d %s" % (r["pass"], "+gates" if r.get("gates") == "fused" else "", r["H"], r["HV"],
+                              seq)
 
 
 def spec_label(pass_, spec):
@@ -254,14 +279,22 @@ def new_row(pass_, spec):
     """A row with its shape, cost model and empty timings."""
     r = {"pass": pass_, "H": spec["H"], "HV": spec["HV"], "flashqla_ms": None, "flash_qla_ms": None,
          "fla_ms": None, "errors": {}}
-    if pass_ == "decode":
-        flops, nbytes = decode_cost(spec["H"], spec["HV"], spec["N"], spec["T"])
+    if pass_ in ("decode", "verify"):
+        flops, nbytes = decode_cost(spec["H"], spec["HV"], spec["N"], spec["T"], pass_ == "verify")
         r.update(seqlens=[spec["T"]] * spec["N"], N=spec["N"], T=spec["T"],
+                 state_layout=spec.get("state_layout", "kv"),
                  flop_model="decode 7*K*V per token/value head", anchor_ms=spec["anchor"])
         r["errors"]["flash_qla"] = "FlashQLA has no decode step"
+        if pass_ == "verify":
+            r["fla_note"] = ("FLA 0.6.0's fused_recurrent returns no intermediate states: its column is "
+                             "the same T tokens with the final state only")
+            r["bytes_model"] = "pool read once + T intermediate states written + token inputs/outputs"
     else:
         geo = row_geometry(spec)
         flops, nbytes = chunk_cost(pass_, spec["H"], spec["HV"], geo["tokens"], geo["N"])
+        if spec.get("gates") == "fused":
+            r["gates"] = "fused"
+            r["errors"]["flash_qla"] = "FlashQLA has no fused gates"
         r.update(seqlens=list(spec["seqlens"]), layout=spec["layout"], B=geo["B"], N=geo["N"],
                  tokens=geo["tokens"], anchor_ms=row_anchor(pass_, spec),
                  flop_model={"fwd": "fwd 183 kFLOP/token/value head",
@@ -427,6 +460,18 @@ def strong_gates(B, T, HV, gen, device):
     return g.contiguous(), beta.contiguous()
 
 
+def fused_gate_inputs(t, B, T, HV, gen, device):
+    """Raw gate inputs of the fused-gate rows, shaped like Qwen3-Next's: a, b ~ randn (fp32),
+    A_log = log(A) with A uniform in [1, 16], dt_bias = softplus^-1(dt), dt uniform in
+    [0.001, 0.1] (the model's initialisation)."""
+    t.a = torch.randn(B, T, HV, generator=gen, device=device)
+    t.b = torch.randn(B, T, HV, generator=gen, device=device)
+    A = 1 + 15 * torch.rand(HV, generator=gen, device=device)
+    dt = 0.001 + 0.099 * torch.rand(HV, generator=gen, device=device)
+    t.A_log = torch.log(A)
+    t.dt_bias = dt + torch.log(-torch.expm1(-dt))
+
+
 def make_chunk_inputs(H, HV, geo, seqlens, gen, device=None, grads=False, gates="anchor", empty=False):
     """One input set. empty=True: uninitialised tensors of the same shapes (for tracing calls
     whose values do not matter, e.g. prebuild_flashqla_cache.py); cu_seqlens are always real."""
@@ -444,7 +489,7 @@ def make_chunk_inputs(H, HV, geo, seqlens, gen, device=None, grads=False, gates=
         t.q = l2norm_bf16(torch.randn(B, T, H, K_DIM, generator=gen, device=device))
         t.k = l2norm_bf16(torch.randn(B, T, H, K_DIM, generator=gen, device=device))
         t.v = torch.randn(B, T, HV, V_DIM, generator=gen, device=device).to(bf)
-        make_g = anchor_gates if gates == "anchor" else strong_gates
+        make_g = strong_gates if gates == "strong" else anchor_gates
         t.g, t.beta = make_g(B, T, HV, gen, device)
         t.h0 = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
     t.cu_list = t.cu32 = t.cu64 = None
@@ -456,6 +501,9 @@ def make_chunk_inputs(H, HV, geo, seqlens, gen, device=None, grads=False, gates=
         t.cu32 = torch.tensor(cu, dtype=torch.int32, device=device)
         t.cu64 = torch.tensor(cu, dtype=torch.int64, device=device)
     t.ci = None  # FLA chunk_indices, filled by the FLA adapter
+    t.fused = gates == "fused" and not empty
+    if t.fused:
+        fused_gate_inputs(t, B, T, HV, gen, device)
     if grads:
         if empty:
             t.do = torch.empty(B, T, HV, V_DIM, dtype=bf, device=device)
@@ -479,7 +527,7 @@ def leaves_of(t):
     return [x.detach().requires_grad_(True) for x in (t.q, t.k, t.v, t.g, t.beta, t.h0)]
 
 
-def make_decode_inputs(H, HV, N, T, gen, device=None):
+def make_decode_inputs(H, HV, N, T, gen, device=None, layout="kv", verify=False):
     device = device or DEVICE
     t = types.SimpleNamespace(B=N, T=T, H=H, HV=HV, N=N, scale=K_DIM ** -0.5)
     t.q = l2norm_bf16(torch.randn(N, T, H, K_DIM, generator=gen, device=device))
@@ -487,8 +535,12 @@ def make_decode_inputs(H, HV, N, T, gen, device=None):
     t.v = torch.randn(N, T, HV, V_DIM, generator=gen, device=device).to(torch.bfloat16)
     t.g, t.beta = anchor_gates(N, T, HV, gen, device)
     t.state0 = torch.randn(N, HV, K_DIM, V_DIM, generator=gen, device=device)
+    t.layout = layout
+    if layout == "vk":                   # the same states, stored [N, HV, V, K]
+        t.state0 = t.state0.transpose(-1, -2).contiguous()
     t.state = t.state0.clone()           # flashqla's pool, updated in place
     t.indices = torch.arange(N, dtype=torch.int32, device=device)
+    t.inter = torch.empty((N, T) + tuple(t.state0.shape[1:]), device=device) if verify else None
     return t
 
 
@@ -499,14 +551,16 @@ def chunk_sets(pass_, spec, R, device=None, empty=False):
     gen = None if empty else torch.Generator(device=device or DEVICE).manual_seed(
         1000 + spec["H"] * 7 + spec["HV"] + geo["tokens"] + 100000 * PASSES.index(pass_))
     sets = [make_chunk_inputs(spec["H"], spec["HV"], geo, spec["seqlens"], gen, device=device,
-                              grads=(pass_ != "fwd"), empty=empty) for _ in range(R)]
+                              grads=(pass_ != "fwd"), gates=spec.get("gates", "anchor"), empty=empty)
+            for _ in range(R)]
     share_cu(sets)
     return sets
 
 
-def decode_sets(spec, R):
+def decode_sets(spec, R, verify=False):
     gen = torch.Generator(device=DEVICE).manual_seed(2000 + spec["N"] * 3 + spec["T"] + spec["HV"])
-    return [make_decode_inputs(spec["H"], spec["HV"], spec["N"], spec["T"], gen) for _ in range(R)]
+    return [make_decode_inputs(spec["H"], spec["HV"], spec["N"], spec["T"], gen,
+                               layout=spec.get("state_layout", "kv"), verify=verify) for _ in range(R)]
 
 
 def cur_stream():
@@ -543,13 +597,22 @@ class Flashqla:
         return types.SimpleNamespace(o=torch.full_like(t.v, float("nan")), ht=torch.full_like(t.h0, float("nan")),
                                      ws=self.workspace("fwd", t.B, t.T, t.H, t.HV, t.N))
 
+    @staticmethod
+    def gates(t):
+        """(g, beta, options): the fused-gate rows pass the raw a, b and the gate parameters."""
+        if not getattr(t, "fused", False):
+            return t.g, t.beta, {}
+        return t.a, t.b, dict(use_gate_in_kernel=True, A_log=t.A_log, dt_bias=t.dt_bias,
+                              use_beta_sigmoid_in_kernel=True)
+
     def fwd(self, t, st):
+        g, beta, gkw = self.gates(t)
         if st is None:
             with torch.no_grad():
-                return self.pkg.gdn_chunk(t.q, t.k, t.v, t.g, t.beta, scale=t.scale, initial_state=t.h0,
-                                          output_final_state=True, cu_seqlens=t.cu32)
-        self.C.chunk_fwd(t.q, t.k, t.v, t.g, t.beta, st.o, scale=t.scale, initial_state=t.h0,
-                         final_state=st.ht, cu_seqlens=t.cu32, workspace=st.ws, stream=cur_stream())
+                return self.pkg.gdn_chunk(t.q, t.k, t.v, g, beta, scale=t.scale, initial_state=t.h0,
+                                          output_final_state=True, cu_seqlens=t.cu32, **gkw)
+        self.C.chunk_fwd(t.q, t.k, t.v, g, beta, st.o, scale=t.scale, initial_state=t.h0,
+                         final_state=st.ht, cu_seqlens=t.cu32, workspace=st.ws, stream=cur_stream(), **gkw)
         return st.o, st.ht
 
     def fwd_public(self, t):
@@ -593,12 +656,32 @@ class Flashqla:
                                      ws=self.workspace("recurrent", t.B, t.T, t.H, t.HV, t.N))
 
     def recurrent(self, t, st):
+        """decode (the pool updated) or, with t.inter, verify (intermediate states, the pool
+        untouched); the [V, K] pool with t.layout == "vk"."""
+        kw = {}
+        if getattr(t, "layout", "kv") != "kv":
+            kw["state_layout"] = t.layout
+        if getattr(t, "inter", None) is not None:
+            kw.update(intermediate_states=t.inter, update_state=False)
         if st is None:
             return self.pkg.gdn_recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, state_indices=t.indices,
-                                          scale=t.scale)
+                                          scale=t.scale, **kw)
         self.C.recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, st.o, scale=t.scale,
-                         state_indices=t.indices, workspace=st.ws, stream=cur_stream())
+                         state_indices=t.indices, workspace=st.ws, stream=cur_stream(), **kw)
         return st.o
+
+    def host_us(self, t, st, n=200):
+        """Host time of one eager call (µs; issue 11 goal <= 10 µs): n calls enqueued back to
+        back, timed on the host before the final synchronisation (the kernels are shorter than
+        the enqueue, so the queue never fills)."""
+        self.recurrent(t, st)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.recurrent(t, st)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
 
 
 # -------------------------------------------------------------------------- FlashQLA --
@@ -741,8 +824,13 @@ class Fla:
         return kw
 
     def fwd(self, t, st=None):
+        g, beta, kw = t.g, t.beta, self._kw(t)
+        if getattr(t, "fused", False):   # FLA 0.6.0's fused gates, the same options
+            g, beta = t.a, t.b
+            kw.update(use_gate_in_kernel=True, A_log=t.A_log, dt_bias=t.dt_bias,
+                      use_beta_sigmoid_in_kernel=True)
         with torch.no_grad():
-            return self.chunk(t.q, t.k, t.v, t.g, t.beta, initial_state=t.h0, **self._kw(t))
+            return self.chunk(t.q, t.k, t.v, g, beta, initial_state=t.h0, **kw)
 
     fwd_public = fwd
 
@@ -785,9 +873,10 @@ class Fla:
         return None
 
     def recurrent(self, t, st=None):
+        kw = dict(state_v_first=True) if getattr(t, "layout", "kv") == "vk" else {}
         with torch.no_grad():
             return self.fused_recurrent(t.q, t.k, t.v, g=t.g, beta=t.beta, scale=t.scale,
-                                        initial_state=t.state0, output_final_state=True)
+                                        initial_state=t.state0, output_final_state=True, **kw)
 
 
 # ----------------------------------------------------------------------------- timing --
@@ -988,11 +1077,14 @@ class Runner:
         R = 1 if warmup_only else rotation_count(r["bytes"], self.args.rotate)
         rep = graph_repeats(r["floor_ms"], R)
         r["rotate"], r["calls_per_graph"] = R, R * rep
-        sets = decode_sets(spec, R) if pass_ == "decode" else chunk_sets(pass_, spec, R)
+        dec = pass_ in ("decode", "verify")
+        sets = decode_sets(spec, R, pass_ == "verify") if dec else chunk_sets(pass_, spec, R)
         firsts = {}
         for name, lib in self.libs.items():
-            if pass_ == "decode" and not hasattr(lib, "recurrent"):
+            if dec and not hasattr(lib, "recurrent"):
                 continue
+            if spec.get("gates") == "fused" and name == "flash_qla":
+                continue                          # FlashQLA has no fused gates
             if self.ctx_dead:
                 r["errors"][name] = "skipped: CUDA context lost earlier (%s)" % self.ctx_dead
                 continue
@@ -1018,10 +1110,10 @@ class Runner:
             self.set_compile_timeout()
             before = lib.cache_entries()
         for t in sets:
-            if hasattr(lib, "prepare") and pass_ != "decode":
+            if hasattr(lib, "prepare") and pass_ not in ("decode", "verify"):
                 lib.prepare(t)                    # FLA: chunk_indices, outside capture
         t0 = time.time()
-        if pass_ == "decode":
+        if pass_ in ("decode", "verify"):
             states = [lib.dec_prepare(t) for t in sets]
             for t in sets:
                 if hasattr(t, "state"):
@@ -1063,6 +1155,8 @@ class Runner:
                 r["errors"][name + "_memory"] = self.note_error(e)
         tm = time_calls(calls * rep, self.reps)
         r[name + "_ms"], r[name + "_ms_min"], r[name + "_timing"] = tm["ms"], tm["ms_min"], tm["method"]
+        if name == "flashqla" and pass_ in ("decode", "verify"):
+            r["flashqla_host_us"] = lib.host_us(sets[0], states[0])
         return first
 
 
@@ -1070,7 +1164,7 @@ def _outputs_of(pass_, res):
     """{name: tensor} of a first call's result."""
     if res is None:
         return {}
-    if pass_ == "decode":
+    if pass_ in ("decode", "verify"):
         return {"o": res[0], "state": res[1]} if isinstance(res, tuple) and len(res) == 2 else {}
     if pass_ == "fwd":
         return {"o": res[0], "ht": res[1]}
@@ -1102,7 +1196,7 @@ def check_summary(r):
     if not vals:
         return "-"
     worst_k, worst = max(vals, key=lambda kv: kv[1] if kv[1] is not None else float("inf"))
-    limit = 2e-2 if r["pass"] in ("fwd", "decode") else 4e-2
+    limit = 2e-2 if r["pass"] in ("fwd", "decode", "verify") else 4e-2
     flag = "ok" if (worst is not None and worst <= limit) else "MISMATCH"
     return "%s max %s %.1e" % (flag, worst_k, worst if worst is not None else float("nan"))
 
@@ -1126,7 +1220,7 @@ def jit_table(rows):
     lines = ["", "=== first calls: FlashQLA JIT (compile included) / flashqla / FLA (Triton compile+autotune), s ==="]
     tot, kern = 0.0, 0
     for r in rows:
-        if r.get("pass") == "decode":
+        if r.get("pass") in ("decode", "verify"):
             continue
         j, n = r.get("flash_qla_jit_s"), r.get("flash_qla_new_kernels")
         tot += j or 0.0
@@ -1143,7 +1237,7 @@ def detail_table(rows):
                                                  "check vs FlashQLA / errors")]
     for r in ordered(rows):
         err = "; ".join("%s: %s" % kv for kv in (r.get("errors") or {}).items()
-                        if not (r.get("pass") == "decode" and kv[0] == "flash_qla"))
+                        if not (r.get("pass") in ("decode", "verify") and kv[0] == "flash_qla"))
         lines.append("%-26s %9s %8s %6s %8s  %s%s" % (
             row_label(r), fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("tflops"), "%.1f"),
             fmt(r.get("pct_floor"), "%.0f%%"), graph_shape(r), check_summary(r),
@@ -1401,7 +1495,7 @@ def dry_run(args):
         fq = a.get("sbs_flashqla") or a.get("fla_ours") or a.get("fla_pub") or r["floor_ms"] * 4
         r.update(flashqla_ms=fq * rng.uniform(0.3, 1.1), rotate=1, calls_per_graph=1, fake=True,
                  flashqla_first_call_s=round(rng.uniform(0.0, 0.05), 3))
-        if pass_ != "decode":
+        if pass_ not in ("decode", "verify") and not spec.get("gates"):
             fqla = a.get("sbs_flash_qla") or a.get("flashqla_pub") or fq * 0.5
             r.update(flash_qla_ms=fqla * rng.uniform(0.95, 1.05), flash_qla_jit_s=round(rng.uniform(0, 40), 1),
                      flash_qla_new_kernels=rng.randint(0, 6),
@@ -1614,7 +1708,8 @@ def run(args):
         results["rows"].append(r)
         write_json_atomic(json_path, results)          # partial results survive a kill
         pk = r.get("peak_extra_mib") or {}
-        errs = {k: v for k, v in r["errors"].items() if not (pass_ == "decode" and k == "flash_qla")}
+        errs = {k: v for k, v in r["errors"].items()
+                if not (pass_ in ("decode", "verify") and k == "flash_qla")}
         log("%-26s fq %s ms  FlashQLA %s ms (x%s)  JIT %s s/%s kernels  peak MiB fq %s FQLA %s  [%s]  (%.1f s)%s" % (
             label, fmt(r.get("flashqla_ms"), "%.4f"), fmt(r.get("flash_qla_ms"), "%.4f"),
             fmt(r.get("flash_qla_over_flashqla"), "%.2f"), fmt(r.get("flash_qla_jit_s"), "%.1f"),

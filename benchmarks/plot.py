@@ -16,8 +16,10 @@ import json
 import os
 import sys
 
-COLORS = {"fwd": "#1f77b4", "bwd": "#d62728", "train": "#9467bd", "decode": "#2ca02c"}
-NAMES = {"fwd": "forward", "bwd": "backward (alone)", "train": "training step", "decode": "decode step"}
+COLORS = {"fwd": "#1f77b4", "bwd": "#d62728", "train": "#9467bd", "decode": "#2ca02c",
+          "verify": "#8c564b"}
+NAMES = {"fwd": "forward", "bwd": "backward (alone)", "train": "training step", "decode": "decode step",
+         "verify": "verify (intermediate states)"}
 FLOOR = 1.15
 
 

@@ -36,8 +36,9 @@
  *     q, k, dq, dk        [B, T, H,  K]    dtype  p->dtype
  *     v, o, dv, do        [B, T, HV, V]    dtype  p->dtype
  *     g, beta, dg, dbeta  [B, T, HV]       dtype  p->gate_dtype
- *     h0, ht, dh0, dht    [N, HV, K, V]    dtype  p->state_dtype
- *     state (recurrent)   [P, HV, K, V]    dtype  p->state_dtype
+ *     h0, ht, dh0, dht    [N, HV, K, V]    dtype  p->state_dtype ([N, HV, V, K]
+ *                                               with state_vk, as every state)
+ *     state (pool)        [P, HV, K, V]    dtype  p->state_dtype
  *     cu_seqlens          [N + 1]          int32 or int64 (B == 1 then)
  *     state_indices       [N]              int32 or int64
  *
@@ -125,12 +126,68 @@ typedef struct fq_gdn_params {
     void *dq, *dk, *dv, *dg, *dbeta;
     void *dh0;                  /* NULL when h0 is NULL                      */
 
-    /* ---- recurrent step ---- */
+    /* ---- recurrent step; chunk forward through a pool ---- */
     void *state;                /* [P, HV, K, V], read and updated in place  */
     const void *state_indices;  /* NULL, or N slot numbers; slot < 0: padding,
                                    the sequence is skipped (o written as 0);
                                    a slot >= 0 at most once (see below)     */
     int state_indices_is_int64;
+
+    /* ---- serving options (issue 11); all off after fq_params_init ----
+     *
+     * Fused gates (FLA 0.6.0's names). use_gate_in_kernel: the g argument
+     * holds the raw gate input a [B, T, HV] and the operator uses
+     *     g = -exp(A_log[j]) * softplus(a + dt_bias[j])   (softplus(x) = x for x > 20)
+     * use_beta_sigmoid_in_kernel: the beta argument holds the raw b and the
+     * operator uses beta = sigmoid(b). In the chunk backward dg and dbeta
+     * then receive dL/da and dL/db (the gradients of what was passed), and
+     * dA_log, ddt_bias the sums over every token of every sequence. */
+    int use_gate_in_kernel;
+    int use_beta_sigmoid_in_kernel;
+    const void *A_log;          /* [HV], gate_param_dtype; required with use_gate_in_kernel */
+    const void *dt_bias;        /* [HV], gate_param_dtype, or NULL (no bias)  */
+    fq_dtype gate_param_dtype;  /* A_log, dt_bias, dA_log, ddt_bias: F32 (F64 with F64 inputs) */
+    void *dA_log;               /* chunk backward, use_gate_in_kernel: [HV] or NULL (not wanted) */
+    void *ddt_bias;             /* chunk backward: [HV] or NULL; NULL when dt_bias is NULL */
+
+    /* State layout of every state argument: h0, ht, dh0, dht, state,
+     * intermediate_states, checkpoints. 0: [.., K, V] (element (k, v) at
+     * k * V + v); 1: [.., V, K] (at v * K + k: FLA's state_v_first, the pools
+     * of vLLM and FlashInfer). */
+    int state_vk;
+
+    /* Pool-indexed prefill (chunk forward only): with state != NULL, sequence
+     * n starts from state[state_indices[n]] (slot n without indices; zeros for
+     * a negative slot) and its final state is written back there (nothing for
+     * a negative slot). h0 and ht must be NULL then. Non-negative slots must
+     * be distinct (also in the recurrent step). The CUDA backend cannot read
+     * the indices from the host: there a slot >= P counts as negative. */
+
+    /* Prefix-cache checkpoints (chunk forward only). checkpoint_every > 0 (a
+     * multiple of 64): for sequence n of length L_n, the state after
+     * c * checkpoint_every tokens, c = 1 .. L_n / checkpoint_every, goes to row
+     * cu_checkpoints[n] + c - 1 of checkpoints; cu_checkpoints[0] = 0,
+     * cu_checkpoints[n+1] = cu_checkpoints[n] + L_n / checkpoint_every. The
+     * buffer has fq_checkpoint_rows(p) rows (a bound from the sizes only:
+     * B * (T / checkpoint_every)); rows from cu_checkpoints[N] on are zeros. */
+    int64_t checkpoint_every;
+    void *checkpoints;          /* [fq_checkpoint_rows(p), HV, K, V], state_dtype */
+    void *cu_checkpoints;       /* [N + 1] int64, written                    */
+
+    /* Speculative verify (recurrent step): intermediate_states != NULL gets
+     * the state after token t of sequence n at [n, t] for t < its length
+     * (other rows untouched); Ti >= T without cu_seqlens, >= every sequence's
+     * length with it. no_state_update = 1 leaves the pool untouched. */
+    void *intermediate_states;  /* [N, Ti, HV, K, V], state_dtype            */
+    int64_t Ti;
+    int no_state_update;
+
+    /* Commit (fq_*_commit): pool slot state_indices[n] (slot n without
+     * indices) <- intermediate_states[n, num_accepted[n] - 1] for every n with
+     * a slot >= 0 and num_accepted[n] > 0; num_accepted[n] = 0 keeps the slot.
+     * Uses N, HV, K, V, P, Ti, state_dtype, state, state_indices. */
+    const void *num_accepted;   /* [N] int32 or int64                        */
+    int num_accepted_is_int64;
 
     /* ---- execution ---- */
     int num_threads;            /* CPU: threads; <= 0 means the default       */
@@ -150,11 +207,17 @@ void fq_params_init(fq_gdn_params *p);
 /* 1 when the environment variable FLASHQLA_CHECK_INPUTS is "1", else 0. */
 int fq_check_inputs_default(void);
 
+/* Rows of the checkpoints buffer: B * (T / checkpoint_every) (0 without
+ * checkpoints). Depends on sizes only, so a CUDA caller can allocate it
+ * without reading cu_seqlens. */
+int64_t fq_checkpoint_rows(const fq_gdn_params *p);
+
 /* Checks every size, pointer and dtype rule above, that no buffer the call
- * writes (o, ht, the gradients, the state pool, the workspace) shares a byte
- * with any other argument, and the contents (fq_check_contents) read as host
- * memory. `op` is 'f' (chunk forward), 'b' (chunk backward) or 'r'
- * (recurrent). The CPU backend calls it first. */
+ * writes (o, ht, the gradients, the state pool, intermediate_states,
+ * checkpoints, the workspace) shares a byte with any other argument, and the
+ * contents (fq_check_contents) read as host memory. `op` is 'f' (chunk
+ * forward), 'b' (chunk backward), 'r' (recurrent) or 'c' (commit). The CPU
+ * backend calls it first. */
 fq_status fq_check_params(const fq_gdn_params *p, char op);
 /* The same checks without reading any contents (device memory): the CUDA
  * backend calls this one, then fq_check_contents on host copies when
@@ -164,9 +227,12 @@ fq_status fq_check_params_device(const fq_gdn_params *p, char op);
  * decreases and ends at T; every state_indices entry is < P and no slot
  * >= 0 appears twice (two sequences would update one pool entry at once;
  * negative entries are padding and may repeat); every g <= 0 (no NaN, no
- * positive gate: g is log(alpha)). Without the check (CUDA by default) a
- * repeated slot goes to its first sequence; each later sequence that names it
- * gets NaN outputs and leaves the pool alone. */
+ * positive gate: g is log(alpha); with use_gate_in_kernel only no NaN a, the
+ * fused gate being <= 0 by construction); with intermediate_states every
+ * sequence fits its Ti rows; num_accepted (commit) in 0 .. Ti. Without the
+ * check (CUDA by default) a repeated slot goes to its first sequence; each
+ * later sequence that names it gets NaN outputs and leaves the pool alone
+ * (recurrent step and pool-indexed prefill). */
 fq_status fq_check_contents(const fq_gdn_params *p, char op);
 
 /* ---------------------------------------------------------------- CPU ---- */
@@ -178,8 +244,8 @@ fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p);
 /* Chunked backward: from dout (and dht) writes dq, dk, dv, dg, dbeta and, if
  * h0 was given, dh0. Recomputes every intermediate from the inputs. */
 fq_status fq_cpu_chunk_bwd(const fq_gdn_params *p);
-/* Recurrent step over T tokens per sequence, state pool updated in place;
- * writes o. */
+/* Recurrent step over T tokens per sequence, state pool updated in place
+ * (unless no_state_update); writes o and, if given, intermediate_states. */
 fq_status fq_cpu_recurrent(const fq_gdn_params *p);
 /* The instruction set whose float kernels the CPU backend runs: "avx512",
  * "avx2", "neon" or "scalar". Chosen once, at the first call: the best one
@@ -189,6 +255,8 @@ fq_status fq_cpu_recurrent(const fq_gdn_params *p);
  * entry point fail with FQ_ERR_UNSUPPORTED (an unknown name: FQ_ERR_VALUE),
  * naming what it can run. */
 fq_status fq_cpu_isa(const char **name);
+/* Commit of a verify step: see num_accepted above. */
+fq_status fq_cpu_commit(const fq_gdn_params *p);
 
 /* --------------------------------------------------------------- CUDA ---- */
 /* 1 if the library was built with the CUDA backend, else 0 (then every
@@ -213,6 +281,10 @@ size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p);
 fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p);
 fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p);
 fq_status fq_cuda_recurrent(const fq_gdn_params *p);
+/* Commit (no workspace). State indices and num_accepted are device memory:
+ * entries out of range (slot >= P, num_accepted > Ti or < 0) leave the slot
+ * untouched instead of raising. */
+fq_status fq_cuda_commit(const fq_gdn_params *p);
 
 #ifdef __cplusplus
 }

@@ -122,7 +122,10 @@ static fq_status check_aliasing(const fq_gdn_params *p, char op)
     const uint64_t stN = sat_mul((uint64_t)p->N, st1);
     const uint64_t cu = sat_mul((uint64_t)(p->N + 1), p->cu_seqlens_is_int64 ? 8 : 4);
     const uint64_t ix = sat_mul((uint64_t)p->N, p->state_indices_is_int64 ? 8 : 4);
-    fq_extent e[24];
+    const uint64_t pool = sat_mul((uint64_t)p->P, st1);
+    const uint64_t gp = sat_mul((uint64_t)p->HV, fq_dtype_size(p->gate_param_dtype));
+    const uint64_t inter = sat_mul(sat_mul((uint64_t)p->N, (uint64_t)p->Ti), st1);
+    fq_extent e[32];
     int n = 0;
 #define FQ_EXT(nm, pt, by, wr)                                          \
     do {                                                                \
@@ -137,11 +140,23 @@ static fq_status check_aliasing(const fq_gdn_params *p, char op)
     FQ_EXT("cu_seqlens", p->cu_seqlens, cu, 0);
     FQ_EXT("state_indices", p->state_indices, ix, 0);
     FQ_EXT("workspace", p->workspace, (uint64_t)p->workspace_bytes, 1);
+    if (p->use_gate_in_kernel) {
+        FQ_EXT("A_log", p->A_log, gp, 0);
+        FQ_EXT("dt_bias", p->dt_bias, gp, 0);
+    }
     if (op == 'f') {
         FQ_EXT("initial_state", p->h0, stN, 0);
         FQ_EXT("o", p->o, vo, 1);
         FQ_EXT("final_state", p->ht, stN, 1);
-        FQ_EXT("state", p->state, sat_mul((uint64_t)p->P, st1), 1); /* a pool-indexed prefill */
+        FQ_EXT("state", p->state, pool, 1);
+        if (p->checkpoint_every > 0) {
+            FQ_EXT("checkpoints", p->checkpoints, sat_mul((uint64_t)fq_checkpoint_rows(p), st1), 1);
+            FQ_EXT("cu_checkpoints", p->cu_checkpoints, sat_mul((uint64_t)(p->N + 1), 8), 1);
+        }
+    } else if (op == 'c') {
+        FQ_EXT("state", p->state, pool, 1);
+        FQ_EXT("intermediate_states", p->intermediate_states, inter, 0);
+        FQ_EXT("num_accepted", p->num_accepted, sat_mul((uint64_t)p->N, p->num_accepted_is_int64 ? 8 : 4), 0);
     } else if (op == 'b') {
         FQ_EXT("initial_state", p->h0, stN, 0);
         FQ_EXT("do", p->dout, vo, 0);
@@ -152,9 +167,14 @@ static fq_status check_aliasing(const fq_gdn_params *p, char op)
         FQ_EXT("dg", p->dg, ga, 1);
         FQ_EXT("dbeta", p->dbeta, ga, 1);
         FQ_EXT("dinitial_state", p->dh0, stN, 1);
+        if (p->use_gate_in_kernel) {
+            FQ_EXT("dA_log", p->dA_log, gp, 1);
+            FQ_EXT("ddt_bias", p->ddt_bias, gp, 1);
+        }
     } else {
         FQ_EXT("o", p->o, vo, 1);
-        FQ_EXT("state", p->state, sat_mul((uint64_t)p->P, st1), 1);
+        FQ_EXT("state", p->state, pool, !p->no_state_update);
+        FQ_EXT("intermediate_states", p->intermediate_states, inter, 1);
     }
 #undef FQ_EXT
     for (int i = 0; i < n; i++) {
@@ -216,6 +236,11 @@ fq_status fq_check_contents(const fq_gdn_params *p, char op)
                                "cu_seqlens: must be non-decreasing, but cu_seqlens[%lld]=%lld "
                                "< cu_seqlens[%lld]=%lld",
                                (long long)i, (long long)c, (long long)(i - 1), (long long)prev);
+            if (op == 'r' && p->intermediate_states && c - prev > p->Ti)
+                return fq_fail(FQ_ERR_VALUE,
+                               "intermediate_states: sequence %lld has %lld tokens, but the buffer "
+                               "holds %lld per sequence",
+                               (long long)(i - 1), (long long)(c - prev), (long long)p->Ti);
             prev = c;
         }
         if (prev != p->T)
@@ -252,11 +277,30 @@ fq_status fq_check_contents(const fq_gdn_params *p, char op)
         free(seen);
         if (st != FQ_OK) return st;
     }
+    if (op == 'c')
+        for (int64_t i = 0; i < N; i++) {
+            const int64_t a = read_index(p->num_accepted, p->num_accepted_is_int64, i);
+            if (a < 0 || a > p->Ti)
+                return fq_fail(FQ_ERR_VALUE,
+                               "num_accepted: entry %lld is %lld, expected 0 .. %lld (the tokens of "
+                               "intermediate_states)",
+                               (long long)i, (long long)a, (long long)p->Ti);
+        }
     /* g <= 0: one pass over the B*T*HV gates (a positive g is almost always
-     * the decay alpha passed instead of log(alpha), or g and beta swapped) */
-    const int64_t ng = p->B * p->T * p->HV;
+     * the decay alpha passed instead of log(alpha), or g and beta swapped).
+     * With use_gate_in_kernel g holds the raw a, any sign: only NaN is bad
+     * (the fused gate -exp(A_log) softplus(a + dt_bias) is <= 0 otherwise). */
+    const int64_t ng = p->g ? p->B * p->T * p->HV : 0;
     for (int64_t i = 0; i < ng; i++) {
         const double x = gate_value(p->g, p->gate_dtype, i);
+        if (p->use_gate_in_kernel) {
+            if (x != x) {
+                const int64_t tok = i / p->HV;
+                return fq_fail(FQ_ERR_VALUE, "g: the raw gate input a is NaN at [%lld, %lld, %lld]",
+                               (long long)(tok / p->T), (long long)(tok % p->T), (long long)(i % p->HV));
+            }
+            continue;
+        }
         if (!(x <= 0.0)) { /* positive or NaN */
             const int64_t tok = i / p->HV; /* ng > 0: T >= 1 */
             return fq_fail(FQ_ERR_VALUE,
@@ -272,12 +316,66 @@ fq_status fq_check_contents(const fq_gdn_params *p, char op)
 
 /* ---------------------------------------------------------- the checks ---- */
 
+int64_t fq_checkpoint_rows(const fq_gdn_params *p)
+{
+    if (p->checkpoint_every <= 0) return 0;
+    return p->B * (p->T / p->checkpoint_every);
+}
+
+/* The pool (state, P, state_indices) of a recurrent step, a pool-indexed
+ * chunk forward or a commit; its contents are fq_check_contents'. */
+static fq_status check_pool(const fq_gdn_params *p)
+{
+    if (!p->state) return fq_fail(FQ_ERR_VALUE, "state: the state pool is required");
+    if (p->P < 1) return fq_fail(FQ_ERR_VALUE, "state: the pool needs at least one slot");
+    if (!p->state_indices && p->P != p->N)
+        return fq_fail(FQ_ERR_VALUE,
+                       "state: without state_indices the pool must have N=%lld slots, got %lld",
+                       (long long)p->N, (long long)p->P);
+    return FQ_OK;
+}
+
+static fq_status check_gate_params(const fq_gdn_params *p, char op)
+{
+    if (!p->use_gate_in_kernel) {
+        if (p->dA_log || p->ddt_bias)
+            return fq_fail(FQ_ERR_VALUE, "dA_log, ddt_bias: only written with use_gate_in_kernel");
+        return FQ_OK;
+    }
+    if (!p->A_log) return fq_fail(FQ_ERR_VALUE, "A_log: required with use_gate_in_kernel");
+    if (p->gate_param_dtype != FQ_F32 && !(p->gate_param_dtype == FQ_F64 && p->dtype == FQ_F64))
+        return fq_fail(FQ_ERR_TYPE, "A_log: expected float32 (float64 only with float64 inputs), got %s",
+                       fq_dtype_name(p->gate_param_dtype));
+    if (op == 'b' && p->ddt_bias && !p->dt_bias)
+        return fq_fail(FQ_ERR_VALUE, "ddt_bias: only written when dt_bias is given");
+    return FQ_OK;
+}
+
+/* A commit ('c'): no q, k, v, gates. */
+static fq_status check_commit(const fq_gdn_params *p, int host_contents)
+{
+    if (p->N < 0 || p->HV < 1 || p->K < 1 || p->V < 1)
+        return fq_fail(FQ_ERR_VALUE, "commit: expected N >= 0, HV, K, V >= 1, got N=%lld HV=%lld K=%lld V=%lld",
+                       (long long)p->N, (long long)p->HV, (long long)p->K, (long long)p->V);
+    if (p->state_dtype != FQ_F32 && p->state_dtype != FQ_F64)
+        return fq_fail(FQ_ERR_TYPE, "state: expected float32 (or float64), got %s",
+                       fq_dtype_name(p->state_dtype));
+    if (!p->intermediate_states || p->Ti < 1)
+        return fq_fail(FQ_ERR_VALUE, "intermediate_states: required, with at least one token per sequence");
+    if (!p->num_accepted) return fq_fail(FQ_ERR_VALUE, "num_accepted: required");
+    fq_status st = check_pool(p);
+    if (st != FQ_OK) return st;
+    if ((st = check_aliasing(p, 'c')) != FQ_OK) return st;
+    return host_contents ? fq_check_contents(p, 'c') : FQ_OK;
+}
+
 /* Checks that need no device memory; cu_seqlens / state_indices / g contents
  * are checked here only when `host_contents` is set (CPU backend). */
 static fq_status check_params(const fq_gdn_params *p, char op, int host_contents)
 {
-    if (op != 'f' && op != 'b' && op != 'r')
+    if (op != 'f' && op != 'b' && op != 'r' && op != 'c')
         return fq_fail(FQ_ERR_INTERNAL, "fq_check_params: unknown op '%c'", op);
+    if (op == 'c') return check_commit(p, host_contents);
     if (p->B < 1 || p->T < 0)
         return fq_fail(FQ_ERR_VALUE, "q: expected B >= 1 and T >= 0, got B=%lld T=%lld",
                        (long long)p->B, (long long)p->T);
@@ -302,6 +400,8 @@ static fq_status check_params(const fq_gdn_params *p, char op, int host_contents
                        fq_dtype_name(p->dtype));
     if (!p->q || !p->k || !p->v || !p->g || !p->beta)
         return fq_fail(FQ_ERR_VALUE, "q, k, v, g and beta are required");
+    fq_status st = check_gate_params(p, op);
+    if (st != FQ_OK) return st;
 
     int64_t N = p->N;
     if (p->cu_seqlens) {
@@ -318,7 +418,27 @@ static fq_status check_params(const fq_gdn_params *p, char op, int host_contents
 
     if (op == 'f') {
         if (!p->o) return fq_fail(FQ_ERR_VALUE, "o: output buffer required");
+        if (p->state) { /* pool-indexed prefill */
+            if (p->h0 || p->ht)
+                return fq_fail(FQ_ERR_VALUE,
+                               "state: a pool-indexed forward reads and writes the pool; "
+                               "initial_state and final_state must be None");
+            if ((st = check_pool(p)) != FQ_OK) return st;
+        }
+        if (p->checkpoint_every != 0) {
+            if (p->checkpoint_every < 0 || p->checkpoint_every % 64 != 0)
+                return fq_fail(FQ_ERR_VALUE,
+                               "checkpoint_every: expected a positive multiple of 64 (the chunk size), "
+                               "got %lld",
+                               (long long)p->checkpoint_every);
+            if (!p->checkpoints || !p->cu_checkpoints)
+                return fq_fail(FQ_ERR_VALUE, "checkpoints, cu_checkpoints: buffers required "
+                                             "with checkpoint_every");
+        }
     } else if (op == 'b') {
+        if (p->state || p->checkpoint_every)
+            return fq_fail(FQ_ERR_VALUE, "state, checkpoint_every: the chunk backward takes neither "
+                                         "(pool-indexed prefill and checkpoints are forward only)");
         if (!p->dout) return fq_fail(FQ_ERR_VALUE, "do: gradient of o required");
         if (!p->dq || !p->dk || !p->dv || !p->dg || !p->dbeta)
             return fq_fail(FQ_ERR_VALUE, "dq, dk, dv, dg and dbeta buffers are required");
@@ -326,14 +446,18 @@ static fq_status check_params(const fq_gdn_params *p, char op, int host_contents
             return fq_fail(FQ_ERR_VALUE, "dinitial_state: buffer required when h0 is given");
     } else { /* 'r' */
         if (!p->o) return fq_fail(FQ_ERR_VALUE, "o: output buffer required");
-        if (!p->state) return fq_fail(FQ_ERR_VALUE, "state: the state pool is required");
-        if (p->P < 1) return fq_fail(FQ_ERR_VALUE, "state: the pool needs at least one slot");
-        if (!p->state_indices && p->P != N)
-            return fq_fail(FQ_ERR_VALUE,
-                           "state: without state_indices the pool must have N=%lld slots, got %lld",
-                           (long long)N, (long long)p->P);
+        if ((st = check_pool(p)) != FQ_OK) return st;
+        if (p->intermediate_states) {
+            if (p->Ti < 1)
+                return fq_fail(FQ_ERR_VALUE, "intermediate_states: expected at least one token per "
+                                             "sequence, got %lld", (long long)p->Ti);
+            if (!p->cu_seqlens && p->Ti < p->T)
+                return fq_fail(FQ_ERR_VALUE,
+                               "intermediate_states: holds %lld tokens per sequence, but T=%lld",
+                               (long long)p->Ti, (long long)p->T);
+        }
     }
-    fq_status st = check_aliasing(p, op);
+    st = check_aliasing(p, op);
     if (st != FQ_OK) return st;
     return host_contents ? fq_check_contents(p, op) : FQ_OK;
 }

@@ -33,11 +33,11 @@ except ImportError as _err:
             f"`python setup.py build_ext --inplace`") from _err
 from ._C import Error
 from ._api import (ChunkContext, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
-                   gdn_chunk, gdn_chunk_bwd, gdn_chunk_fwd, gdn_recurrent)
+                   gdn_chunk, gdn_chunk_bwd, gdn_chunk_fwd, gdn_commit, gdn_recurrent)
 
 __version__ = "0.1.0"
 
-__all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent",
+__all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent", "gdn_commit",
            "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ChunkContext", "Error",
            "cuda_available"]
 

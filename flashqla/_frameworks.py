@@ -74,6 +74,8 @@ class Framework:
 
 
 def _workspace_size(op, sizes, dtype_name):
+    if sizes is None:  # an op without workspace (the commit)
+        return 0
     B, T, H, HV, K, V, N = sizes
     return int(_C.workspace_bytes(op, B, T, H, HV, K, V, N, dtype_name))
 

@@ -13,6 +13,19 @@ autograd and CUDA graphs see flashqla as one opaque op each:
                                  cu_seqlens, scale, use_qk_l2norm) -> o
         (mutates state [P,HV,K,V] in place)
 
+and the serving forms of issue 11 (forward only):
+
+    torch.ops.flashqla.chunk_fwd_serving(..., state, state_indices, ..., checkpoint_every)
+        -> (o, final_state, checkpoints, cu_checkpoints)   (mutates state: pool-indexed prefill)
+    torch.ops.flashqla.commit(state, intermediate_states, state_indices, num_accepted,
+                              state_layout)                (mutates state)
+
+chunk_fwd, chunk_bwd and recurrent take the serving options as trailing
+arguments with defaults: A_log, dt_bias (fused gates), use_gate_in_kernel,
+use_beta_sigmoid_in_kernel, state_layout ("kv" or "vk"); recurrent also
+intermediate_states (mutated) and update_state. chunk_bwd returns dA_log and
+ddt_bias after dinitial_state ([0] placeholders without fused gates).
+
 Each has a fake (meta) kernel giving output shapes and dtypes without
 running, chunk_fwd has its autograd formula (register_autograd: the
 backward is chunk_bwd, which recomputes every intermediate from the saved
@@ -34,9 +47,11 @@ import torch
 from torch import Tensor
 
 from ._frameworks import TORCH, _numpy_index, scale_of
-from ._prepared import chunk_bwd_prepared, chunk_fwd_prepared, recurrent_prepared
+from ._prepared import (NO_GATES, FusedGates, check_layout, chunk_bwd_prepared,
+                        chunk_fwd_prepared, commit_prepared, recurrent_prepared, state_dims)
 
-__all__ = ["chunk_fwd", "chunk_bwd", "recurrent", "gdn_chunk", "gdn_recurrent"]
+__all__ = ["chunk_fwd", "chunk_bwd", "recurrent", "chunk_fwd_serving", "commit", "gdn_chunk",
+           "gdn_recurrent", "gdn_commit"]
 
 
 def _state_dtype(dtype):
@@ -52,11 +67,15 @@ def _num_sequences(q, cu_seqlens):
 @torch.library.custom_op("flashqla::chunk_fwd", mutates_args=())
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-              output_final_state: bool, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+              output_final_state: bool, use_qk_l2norm: bool, A_log: Optional[Tensor] = None,
+              dt_bias: Optional[Tensor] = None, use_gate_in_kernel: bool = False,
+              use_beta_sigmoid_in_kernel: bool = False,
+              state_layout: str = "kv") -> tuple[Tensor, Tensor]:
     """Chunked forward: (o [B,T,HV,V], final_state [N,HV,K,V] or an empty [0]
     tensor when output_final_state is False)."""
+    gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     o, ht = chunk_fwd_prepared(TORCH, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                               output_final_state, use_qk_l2norm)
+                               output_final_state, use_qk_l2norm, gates, state_layout)
     if ht is None:
         ht = q.new_empty((0,), dtype=_state_dtype(q.dtype))
     return o, ht
@@ -64,11 +83,13 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 @chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                    use_qk_l2norm):
+                    use_qk_l2norm, A_log=None, dt_bias=None, use_gate_in_kernel=False,
+                    use_beta_sigmoid_in_kernel=False, state_layout="kv"):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
-    shape = (_num_sequences(q, cu_seqlens), HV, K, V) if output_final_state else (0,)
+    shape = ((_num_sequences(q, cu_seqlens), HV) + state_dims(K, V, state_layout)
+             if output_final_state else (0,))
     return o, q.new_empty(shape, dtype=_state_dtype(q.dtype))
 
 
@@ -77,24 +98,33 @@ def _chunk_fwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_f
 @torch.library.custom_op("flashqla::chunk_bwd", mutates_args=())
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], do: Tensor,
-              dfinal_state: Optional[Tensor], scale: float,
-              use_qk_l2norm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              dfinal_state: Optional[Tensor], scale: float, use_qk_l2norm: bool,
+              A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+              use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+              state_layout: str = "kv"
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Chunked backward from do (and dfinal_state): (dq, dk, dv, dg, dbeta,
-    dinitial_state), each like its input; dinitial_state an empty [0] tensor
-    without initial_state."""
+    dinitial_state, dA_log, ddt_bias), each like its input; an empty [0]
+    tensor for dinitial_state without initial_state and for dA_log, ddt_bias
+    without use_gate_in_kernel / dt_bias. With fused gates dg, dbeta are the
+    gradients of the raw a, b."""
+    gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     grads = chunk_bwd_prepared(TORCH, q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                               use_qk_l2norm, do, dfinal_state)
-    dh0 = grads[5] if grads[5] is not None else q.new_empty((0,), dtype=_state_dtype(q.dtype))
-    return grads[:5] + (dh0,)
+                               use_qk_l2norm, do, dfinal_state, gates, state_layout)
+    empty = q.new_empty((0,), dtype=_state_dtype(q.dtype))
+    return grads[:5] + tuple(x if x is not None else empty.clone() for x in grads[5:])
 
 
 @chunk_bwd.register_fake
 def _chunk_bwd_fake(q, k, v, g, beta, initial_state, cu_seqlens, do, dfinal_state, scale,
-                    use_qk_l2norm):
-    dh0 = (torch.empty_like(initial_state) if initial_state is not None
-           else q.new_empty((0,), dtype=_state_dtype(q.dtype)))
+                    use_qk_l2norm, A_log=None, dt_bias=None, use_gate_in_kernel=False,
+                    use_beta_sigmoid_in_kernel=False, state_layout="kv"):
+    empty = lambda: q.new_empty((0,), dtype=_state_dtype(q.dtype))  # noqa: E731
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else empty()
+    dA = torch.empty_like(A_log) if use_gate_in_kernel and A_log is not None else empty()
+    ddt = torch.empty_like(dt_bias) if use_gate_in_kernel and dt_bias is not None else empty()
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+            torch.empty_like(beta), dh0, dA, ddt)
 
 
 def _vmap_batched(n, x, d):
@@ -109,48 +139,69 @@ def _vmap_fold(x):
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
+def _vmap_unmapped_params(in_dims, first):
+    """A_log, dt_bias (arguments first, first + 1) are per model, not per vmap member."""
+    if any(d is not None for d in in_dims[first:first + 2]):
+        raise ValueError("A_log, dt_bias: torch.func.vmap over the gate parameters is not supported")
+
+
 @torch.library.register_vmap("flashqla::chunk_bwd")
-def _chunk_bwd_vmap(info, in_dims, q, k, v, g, beta, h0, cu, do, dht, scale, use_qk_l2norm):
+def _chunk_bwd_vmap(info, in_dims, q, k, v, g, beta, h0, cu, do, dht, scale, use_qk_l2norm,
+                    A_log=None, dt_bias=None, use_gate_in_kernel=False,
+                    use_beta_sigmoid_in_kernel=False, state_layout="kv"):
     """torch.func.vmap of the backward (vmap of grad: per-sample gradients):
-    the mapped axis folded into B and N as in the forward's vmap."""
+    the mapped axis folded into B and N as in the forward's vmap; one call per
+    member with cu_seqlens, and with fused gates (dA_log, ddt_bias are sums
+    over the batch, per member here)."""
     n = info.batch_size
+    _vmap_unmapped_params(in_dims, 11)
     names = (q, k, v, g, beta, h0, None, do, dht)
     xs = [_vmap_batched(n, x, d) for x, d in zip(names, in_dims)]
-    if cu is not None:
-        if in_dims[6] is not None:
+    serving = (A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel, state_layout)
+    if cu is not None or use_gate_in_kernel:
+        if cu is not None and in_dims[6] is not None:
             raise ValueError("cu_seqlens: torch.func.vmap over cu_seqlens is not supported")
         outs = [torch.ops.flashqla.chunk_bwd(*[None if x is None else x[i] for x in xs[:6]], cu,
                                              xs[7][i], None if xs[8] is None else xs[8][i],
-                                             scale, use_qk_l2norm) for i in range(n)]
-        return tuple(torch.stack(list(gs)) for gs in zip(*outs)), (0,) * 6
+                                             scale, use_qk_l2norm, *serving) for i in range(n)]
+        return tuple(torch.stack(list(gs)) for gs in zip(*outs)), (0,) * 8
     f = [_vmap_fold(x) for x in xs]
-    grads = torch.ops.flashqla.chunk_bwd(*f[:6], None, f[7], f[8], scale, use_qk_l2norm)
+    grads = torch.ops.flashqla.chunk_bwd(*f[:6], None, f[7], f[8], scale, use_qk_l2norm, *serving)
     out = tuple(x.reshape(n, -1, *x.shape[1:]) for x in grads[:5])
     if h0 is not None:
-        return out + (grads[5].reshape(n, -1, *grads[5].shape[1:]),), (0,) * 6
-    return out + (grads[5],), (0, 0, 0, 0, 0, None)
+        out = out + (grads[5].reshape(n, -1, *grads[5].shape[1:]),)
+        return out + tuple(grads[6:]), (0,) * 6 + (None, None)
+    return out + tuple(grads[5:]), (0, 0, 0, 0, 0, None, None, None)
 
 
 # ----------------------------------------------------- autograd of chunk_fwd --
 
 def _chunk_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0, cu)
+    (q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm, *serving) = inputs
+    A_log, dt_bias, use_gate, use_sig, state_layout = (serving + [None, None, False, False, "kv"]
+                                                       [len(serving):])
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu, A_log, dt_bias)
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.use_qk_l2norm = use_qk_l2norm
+    ctx.serving = (bool(use_gate), bool(use_sig), state_layout, len(serving))
 
 
 def _chunk_backward(ctx, do, dht):
-    q, k, v, g, beta, h0, cu = ctx.saved_tensors
+    q, k, v, g, beta, h0, cu, A_log, dt_bias = ctx.saved_tensors
+    use_gate, use_sig, state_layout, n_serving = ctx.serving
     if do is None:  # only the final state was used
         do = q.new_zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
     if not ctx.output_final_state:
         dht = None  # the [0] placeholder has no gradient to give
     with torch.no_grad():  # once differentiable: chunk_bwd has no backward of its own
-        dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashqla.chunk_bwd(
-            q, k, v, g, beta, h0, cu, do, dht, ctx.scale, ctx.use_qk_l2norm)
-    return dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None), None, None, None, None
+        dq, dk, dv, dg, dbeta, dh0, dA, ddt = torch.ops.flashqla.chunk_bwd(
+            q, k, v, g, beta, h0, cu, do, dht, ctx.scale, ctx.use_qk_l2norm, A_log, dt_bias,
+            use_gate, use_sig, state_layout)
+    grads = (dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None), None, None, None, None)
+    serving = ((dA if use_gate and A_log is not None else None),
+               (ddt if use_gate and dt_bias is not None else None), None, None, None)
+    return grads + serving[:n_serving]
 
 
 # for callers of torch.ops.flashqla.chunk_fwd itself (and torch.library.opcheck)
@@ -163,9 +214,11 @@ class _ChunkFunction(torch.autograd.Function):
     accept; the op's own autograd registration is a Function they do not."""
 
     @staticmethod
-    def forward(q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm):
+    def forward(q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm, A_log, dt_bias,
+                use_gate, use_sig, state_layout):
         return torch.ops.flashqla.chunk_fwd(q, k, v, g, beta, h0, cu, scale, output_final_state,
-                                            use_qk_l2norm)
+                                            use_qk_l2norm, A_log, dt_bias, use_gate, use_sig,
+                                            state_layout)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -177,21 +230,25 @@ class _ChunkFunction(torch.autograd.Function):
         return _chunk_backward(ctx, do, dht)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm):
+    def vmap(info, in_dims, q, k, v, g, beta, h0, cu, scale, output_final_state, use_qk_l2norm,
+             A_log, dt_bias, use_gate, use_sig, state_layout):
         """torch.func.vmap: the mapped axis folded into the batch B (and N),
         one call for the whole vmap; with cu_seqlens (B == 1 packed), one
         call per member."""
         n = info.batch_size
+        _vmap_unmapped_params(in_dims, 10)
+        serving = (A_log, dt_bias, use_gate, use_sig, state_layout)
         xs = [_vmap_batched(n, x, d) for x, d in zip((q, k, v, g, beta, h0), in_dims[:6])]
         if cu is not None:
             if in_dims[6] is not None:
                 raise ValueError("cu_seqlens: torch.func.vmap over cu_seqlens is not supported "
                                  "(pack the sequences into one call instead)")
             outs = [_ChunkFunction.apply(*[None if x is None else x[i] for x in xs], cu, scale,
-                                         output_final_state, use_qk_l2norm) for i in range(n)]
+                                         output_final_state, use_qk_l2norm, *serving)
+                    for i in range(n)]
             return (torch.stack([o for o, _ in outs]), torch.stack([h for _, h in outs])), (0, 0)
         o, ht = _ChunkFunction.apply(*[_vmap_fold(x) for x in xs], None, scale,
-                                     output_final_state, use_qk_l2norm)
+                                     output_final_state, use_qk_l2norm, *serving)
         o = o.reshape(n, -1, *o.shape[1:])
         if output_final_state:
             return (o, ht.reshape(n, -1, *ht.shape[1:])), (0, 0)
@@ -200,19 +257,84 @@ class _ChunkFunction(torch.autograd.Function):
 
 # ----------------------------------------------------------------- recurrent --
 
-@torch.library.custom_op("flashqla::recurrent", mutates_args=("state",))
+@torch.library.custom_op("flashqla::recurrent", mutates_args=("state", "intermediate_states"))
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
               state_indices: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-              use_qk_l2norm: bool) -> Tensor:
-    """Recurrent step: updates the pool `state` [P,HV,K,V] in place, returns
-    o [B,T,HV,V]."""
+              use_qk_l2norm: bool, intermediate_states: Optional[Tensor] = None,
+              update_state: bool = True, state_layout: str = "kv", A_log: Optional[Tensor] = None,
+              dt_bias: Optional[Tensor] = None, use_gate_in_kernel: bool = False,
+              use_beta_sigmoid_in_kernel: bool = False) -> Tensor:
+    """Recurrent step: updates the pool `state` [P,HV,K,V] in place (not with
+    update_state=False), writes intermediate_states [N,Ti,HV,K,V] if given,
+    returns o [B,T,HV,V]."""
+    gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     return recurrent_prepared(TORCH, q, k, v, g, beta, state, state_indices, cu_seqlens, scale,
-                              use_qk_l2norm)
+                              use_qk_l2norm, gates, state_layout, intermediate_states,
+                              update_state)
 
 
 @recurrent.register_fake
-def _recurrent_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, scale, use_qk_l2norm):
+def _recurrent_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, scale, use_qk_l2norm,
+                    intermediate_states=None, update_state=True, state_layout="kv", A_log=None,
+                    dt_bias=None, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+
+
+# ------------------------------------------------ serving: pool, checkpoints --
+
+@torch.library.custom_op("flashqla::chunk_fwd_serving", mutates_args=("state",))
+def chunk_fwd_serving(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                      initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                      state: Optional[Tensor], state_indices: Optional[Tensor], scale: float,
+                      output_final_state: bool, use_qk_l2norm: bool, A_log: Optional[Tensor],
+                      dt_bias: Optional[Tensor], use_gate_in_kernel: bool,
+                      use_beta_sigmoid_in_kernel: bool, state_layout: str,
+                      checkpoint_every: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward-only chunk forward: pool-indexed prefill (state, state_indices:
+    the pool read and written in place) and/or checkpoints every
+    checkpoint_every tokens. (o, final_state, checkpoints, cu_checkpoints), [0]
+    placeholders for what was not asked for."""
+    gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    res = chunk_fwd_prepared(TORCH, q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                             output_final_state, use_qk_l2norm, gates, state_layout, state,
+                             state_indices, checkpoint_every)
+    empty = q.new_empty((0,), dtype=_state_dtype(q.dtype))
+    o, ht = res[0], (res[1] if res[1] is not None else empty)
+    if checkpoint_every:
+        return o, ht, res[2][0], res[2][1]
+    return o, ht, empty.clone(), q.new_empty((0,), dtype=torch.int64)
+
+
+@chunk_fwd_serving.register_fake
+def _chunk_fwd_serving_fake(q, k, v, g, beta, initial_state, cu_seqlens, state, state_indices,
+                            scale, output_final_state, use_qk_l2norm, A_log, dt_bias,
+                            use_gate_in_kernel, use_beta_sigmoid_in_kernel, state_layout,
+                            checkpoint_every):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = _num_sequences(q, cu_seqlens)
+    sd = state_dims(K, V, state_layout)
+    ht = q.new_empty((N, HV) + sd if output_final_state else (0,), dtype=_state_dtype(q.dtype))
+    if checkpoint_every:
+        ck = q.new_empty((B * (T // checkpoint_every), HV) + sd, dtype=_state_dtype(q.dtype))
+        cuck = q.new_empty((N + 1,), dtype=torch.int64)
+    else:
+        ck = q.new_empty((0,), dtype=_state_dtype(q.dtype))
+        cuck = q.new_empty((0,), dtype=torch.int64)
+    return q.new_empty((B, T, HV, V)), ht, ck, cuck
+
+
+@torch.library.custom_op("flashqla::commit", mutates_args=("state",))
+def commit(state: Tensor, intermediate_states: Tensor, state_indices: Optional[Tensor],
+           num_accepted: Tensor, state_layout: str) -> None:
+    """state[state_indices[n]] = intermediate_states[n, num_accepted[n] - 1]
+    (num_accepted[n] > 0, slot >= 0), in place."""
+    commit_prepared(TORCH, state, intermediate_states, state_indices, num_accepted, state_layout)
+
+
+@commit.register_fake
+def _commit_fake(state, intermediate_states, state_indices, num_accepted, state_layout):
+    return None
 
 
 # -------------------------------------------------------- public, for torch --
@@ -251,32 +373,71 @@ def _check_ndim(x, name, ndim, layout):
         raise ValueError(f"{name}: expected {ndim} dimensions {layout}, got shape {list(x.shape)}")
 
 
+def _checked_dims(state_layout):
+    return "[N, HV, K, V]" if state_layout == "kv" else "[N, HV, V, K]"
+
+
 def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, use_qk_l2norm=False):
-    """flashqla.gdn_chunk for PyTorch tensors, through torch.ops.flashqla.chunk_fwd."""
+              cu_seqlens=None, use_qk_l2norm=False, state=None, state_indices=None,
+              checkpoint_every=None, state_layout="kv", use_gate_in_kernel=False, A_log=None,
+              dt_bias=None, use_beta_sigmoid_in_kernel=False):
+    """flashqla.gdn_chunk for PyTorch tensors, through torch.ops.flashqla.chunk_fwd
+    (or chunk_fwd_serving for the pool and checkpoints, forward only)."""
     _check_ndim(q, "q", 4, "[B, T, H, K]")
     _check_ndim(k, "k", 4, "[B, T, H, K]")
     _check_ndim(v, "v", 4, "[B, T, HV, V]")
     _check_ndim(g, "g", 3, "[B, T, HV]")
     _check_ndim(beta, "beta", 3, "[B, T, HV]")
-    _check_ndim(initial_state, "initial_state", 4, "[N, HV, K, V]")
+    _check_ndim(initial_state, "initial_state", 4, _checked_dims(state_layout))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = _gates(q, g.contiguous(), beta.contiguous())
     h0 = _state(initial_state, q)
     cu = _index(cu_seqlens, q, "cu_seqlens")
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
+    A, dtb = _gate_params(q, use_gate_in_kernel, A_log, dt_bias)
     scale = scale_of(scale, q)
-    args = (q, k, v, g, beta, h0, cu, scale, bool(output_final_state), bool(use_qk_l2norm))
-    if torch._C._are_functorch_transforms_active() or (
-            torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:6])):
+    use_gate, use_sig = bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel)
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, h0, A, dtb))
+    if state is not None or checkpoint_every is not None:
+        if grad:
+            raise ValueError("state, checkpoint_every: pool-indexed prefill and checkpoints are "
+                             "forward only; call under torch.no_grad() or with tensors that do "
+                             "not require grad")
+        _check_ndim(state, "state", 4, _checked_dims(state_layout).replace("N", "P"))
+        idx = _index(state_indices, q, "state_indices")
+        _check_ndim(idx, "state_indices", 1, "[N]")
+        o, ht, ck, cuck = torch.ops.flashqla.chunk_fwd_serving(
+            q, k, v, g, beta, h0, cu, state, idx, scale, bool(output_final_state),
+            bool(use_qk_l2norm), A, dtb, use_gate, use_sig, state_layout, int(checkpoint_every or 0))
+        ht = ht if output_final_state else None
+        return (o, ht, (ck, cuck)) if checkpoint_every else (o, ht)
+    args = (q, k, v, g, beta, h0, cu, scale, bool(output_final_state), bool(use_qk_l2norm), A, dtb,
+            use_gate, use_sig, state_layout)
+    if grad or torch._C._are_functorch_transforms_active():
         o, ht = _ChunkFunction.apply(*args)  # autograd, torch.func (grad, vmap)
     else:
         o, ht = torch.ops.flashqla.chunk_fwd(*args)
     return o, (ht if output_final_state else None)
 
 
+def _gate_params(q, use_gate_in_kernel, A_log, dt_bias):
+    """A_log, dt_bias in the parameter dtype (float32; float64 with float64
+    inputs), or (None, None) without use_gate_in_kernel (FLA ignores them then)."""
+    if not use_gate_in_kernel:
+        return None, None
+    if A_log is None:
+        raise ValueError("A_log: required with use_gate_in_kernel=True "
+                         "(g = -exp(A_log) * softplus(a + dt_bias))")
+    _check_ndim(A_log, "A_log", 1, "[HV]")
+    _check_ndim(dt_bias, "dt_bias", 1, "[HV]")
+    return _state(A_log, q), _state(dt_bias, q)
+
+
 def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seqlens=None,
-                  use_qk_l2norm=False):
+                  use_qk_l2norm=False, intermediate_states=None, update_state=True,
+                  state_layout="kv", use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                  use_beta_sigmoid_in_kernel=False):
     """flashqla.gdn_recurrent for PyTorch tensors, through torch.ops.flashqla.recurrent
     (no gradients: the inputs are detached; the pool is updated in place)."""
     _check_ndim(q, "q", 4, "[B, T, H, K]")
@@ -284,7 +445,9 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
     _check_ndim(v, "v", 4, "[B, T, HV, V]")
     _check_ndim(g, "g", 3, "[B, T, HV]")
     _check_ndim(beta, "beta", 3, "[B, T, HV]")
-    _check_ndim(state, "state", 4, "[P, HV, K, V]")
+    _check_ndim(state, "state", 4, _checked_dims(state_layout).replace("N", "P"))
+    _check_ndim(intermediate_states, "intermediate_states", 5,
+                "[N, Ti, HV, K, V]" if state_layout == "kv" else "[N, Ti, HV, V, K]")
     q, k, v, g, beta, state = (x.detach() if x.requires_grad else x for x in (q, k, v, g, beta, state))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = _gates(q, g.contiguous(), beta.contiguous())
@@ -292,14 +455,41 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
     _check_ndim(idx, "state_indices", 1, "[N]")
     cu = _index(cu_seqlens, q, "cu_seqlens")
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
+    A, dtb = _gate_params(q, use_gate_in_kernel, A_log, dt_bias)
+    if A is not None:
+        A, dtb = A.detach(), (None if dtb is None else dtb.detach())
     scale = scale_of(scale, q)
-    if _plain_eager(q, k, v, g, beta, state, idx, cu):
+    inter = intermediate_states
+    serving = (inter, bool(update_state), state_layout, A, dtb, bool(use_gate_in_kernel),
+               bool(use_beta_sigmoid_in_kernel))
+    if _plain_eager(q, k, v, g, beta, state, idx, cu, inter, A, dtb):
         # the op's own kernel, without the ~10 us of the dispatcher's Python
         # custom-op machinery: decoding calls this once per layer and token
+        gates = (FusedGates(use_gate_in_kernel, A, dtb, use_beta_sigmoid_in_kernel)
+                 if use_gate_in_kernel or use_beta_sigmoid_in_kernel else NO_GATES)
         return recurrent_prepared(TORCH, q, k, v, g, beta, state, idx, cu, scale,
-                                  bool(use_qk_l2norm))
+                                  bool(use_qk_l2norm), gates, state_layout, inter,
+                                  bool(update_state))
     return torch.ops.flashqla.recurrent(q, k, v, g, beta, state, idx, cu, scale,
-                                        bool(use_qk_l2norm))
+                                        bool(use_qk_l2norm), *serving)
+
+
+def gdn_commit(state, intermediate_states, state_indices, num_accepted, *, state_layout="kv"):
+    """flashqla.gdn_commit for PyTorch tensors, through torch.ops.flashqla.commit."""
+    check_layout(state_layout)
+    _check_ndim(state, "state", 4, _checked_dims(state_layout).replace("N", "P"))
+    _check_ndim(intermediate_states, "intermediate_states", 5,
+                "[N, Ti, HV, K, V]" if state_layout == "kv" else "[N, Ti, HV, V, K]")
+    if num_accepted is None:
+        raise TypeError("num_accepted: expected an int32/int64 array [N], got None")
+    idx = _index(state_indices, state, "state_indices")
+    acc = _index(num_accepted, state, "num_accepted")
+    _check_ndim(idx, "state_indices", 1, "[N]")
+    _check_ndim(acc, "num_accepted", 1, "[N]")
+    if _plain_eager(state, intermediate_states, idx, acc):
+        commit_prepared(TORCH, state, intermediate_states, idx, acc, state_layout)
+    else:
+        torch.ops.flashqla.commit(state, intermediate_states, idx, acc, state_layout)
 
 
 def _plain_eager(*tensors):

@@ -245,7 +245,7 @@ class _ContextParallelChunk(torch.autograd.Function):
             if h0 is None else h0
         h0_true = torch.where(rows(lay.entering), s_in, h0_true)
         dht_true = torch.where(rows(lay.leaving), ds_out, 0 if dht is None else dht)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd_prepared(
+        dq, dk, dv, dg, dbeta, dh0, _, _ = chunk_bwd_prepared(
             TORCH, q, k, v, g, beta, h0_true, lay.local_cu, ctx.scale, ctx.use_qk_l2norm,
             do, dht_true)
         dh0 = None if h0 is None else torch.where(rows(lay.starts), dh0, 0)

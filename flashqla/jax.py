@@ -239,17 +239,68 @@ _chunk.defvjp(_chunk_vjp_fwd, _chunk_vjp_bwd)
 
 # ------------------------------------------------------------------ public --
 
+def _serving_gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """The fused-gate options of flashqla.gdn_chunk (issue 11) for JAX: the
+    gates computed with jax.numpy before the custom call (so jax.grad and
+    jax.jit see through them; the CUDA/CPU kernels fuse them only for the
+    other frameworks): g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b),
+    in float32 (float64 with float64 gates)."""
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log: required with use_gate_in_kernel=True "
+                             "(g = -exp(A_log) * softplus(a + dt_bias))")
+        a = jnp.asarray(g)
+        a = a.astype(jnp.float64 if a.dtype == jnp.float64 else jnp.float32)
+        x = a if dt_bias is None else a + jnp.asarray(dt_bias).astype(a.dtype)
+        g = -jnp.exp(jnp.asarray(A_log).astype(a.dtype)) * jnp.where(
+            x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+    if use_beta_sigmoid_in_kernel:
+        b = jnp.asarray(beta)
+        beta = jax.nn.sigmoid(b.astype(jnp.float64 if b.dtype == jnp.float64 else jnp.float32))
+    if (use_gate_in_kernel or use_beta_sigmoid_in_kernel) and g.dtype != beta.dtype:
+        g, beta = jnp.asarray(g).astype(jnp.float32), jnp.asarray(beta).astype(jnp.float32)
+    return g, beta
+
+
+def _layout(state_layout):
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"state_layout: expected \"kv\" (states [.., K, V]) or \"vk\" "
+                         f"([.., V, K]), got {state_layout!r}")
+    return state_layout == "vk"
+
+
+def _swap(x):
+    """[.., K, V] <-> [.., V, K] (a transpose around the custom call for
+    state_layout="vk" on JAX)."""
+    return None if x is None else jnp.swapaxes(jnp.asarray(x), -1, -2)
+
+
 def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
               scale: Optional[float] = None, initial_state: Optional[Array] = None,
               output_final_state: bool = False, cu_seqlens: Optional[Indices] = None,
-              use_qk_l2norm: bool = False) -> Tuple[Array, Optional[Array]]:
+              use_qk_l2norm: bool = False, state_layout: str = "kv",
+              use_gate_in_kernel: bool = False, A_log: Optional[Array] = None,
+              dt_bias: Optional[Array] = None,
+              use_beta_sigmoid_in_kernel: bool = False) -> Tuple[Array, Optional[Array]]:
     """flashqla.gdn_chunk for JAX: the chunked forward as an XLA custom call,
     differentiable (jax.custom_vjp; the backward is the C backward).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
     [N, HV, K, V]; cu_seqlens [N + 1] (B == 1). Returns (o [B, T, HV, V] in
     q's dtype, final_state [N, HV, K, V] float32 (float64 with float64 inputs)
-    or None unless output_final_state)."""
+    or None unless output_final_state). state_layout="vk": initial and final
+    state [N, HV, V, K] (a transpose around the call). Fused gates as in
+    flashqla.gdn_chunk, computed with jax.numpy before the call (gradients to
+    a, b, A_log, dt_bias by JAX's autodiff). No pool or checkpoints (JAX
+    arrays are not written in place)."""
+    vk = _layout(state_layout)
+    g, beta = _serving_gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    if vk:
+        initial_state = _swap(initial_state)
+        o, ht = gdn_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                          use_qk_l2norm=use_qk_l2norm)
+        return o, _swap(ht)
     q, k, v, g, beta, cu, N = _prepare(q, k, v, g, beta, cu_seqlens)
     h0 = _prepare_state(initial_state, "initial_state", q, (N, v.shape[2], q.shape[3], v.shape[3]))
     opts = (_scale(scale, q), bool(output_final_state), bool(use_qk_l2norm))
@@ -258,8 +309,10 @@ def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
 
 def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
                   state_indices: Optional[Indices] = None, scale: Optional[float] = None,
-                  cu_seqlens: Optional[Indices] = None,
-                  use_qk_l2norm: bool = False) -> Tuple[Array, Array]:
+                  cu_seqlens: Optional[Indices] = None, use_qk_l2norm: bool = False,
+                  state_layout: str = "kv", use_gate_in_kernel: bool = False,
+                  A_log: Optional[Array] = None, dt_bias: Optional[Array] = None,
+                  use_beta_sigmoid_in_kernel: bool = False) -> Tuple[Array, Array]:
     """flashqla.gdn_recurrent for JAX, which has no in-place update: returns
     (o [B, T, HV, V], new_state [P, HV, K, V]). q, k [B, T, H, K];
     v [B, T, HV, V]; g, beta [B, T, HV]; state [P, HV, K, V]; state_indices
@@ -268,7 +321,18 @@ def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Ar
     new_state is aliased to `state` (donate the pool under jax.jit and it is
     updated in place). Sequence n starts from slot state_indices[n] (slot n
     without indices) and leaves its final state there; a negative slot is
-    padding (o rows 0, pool untouched). No gradients."""
+    padding (o rows 0, pool untouched). No gradients. state_layout="vk": the
+    pool [P, HV, V, K] (transposed around the call, so no aliasing then);
+    fused gates computed with jax.numpy before the call. (Speculative verify
+    with intermediate states: flashqla.gdn_recurrent with PyTorch, NumPy or
+    CuPy arrays.)"""
+    vk = _layout(state_layout)
+    g, beta = _serving_gates(g, beta, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    if vk:
+        o, new_state = gdn_recurrent(q, k, v, g, beta, _swap(state), state_indices=state_indices,
+                                     scale=scale, cu_seqlens=cu_seqlens,
+                                     use_qk_l2norm=use_qk_l2norm)
+        return o, _swap(new_state)
     q, k, v, g, beta, cu, N = _prepare(q, k, v, g, beta, cu_seqlens)
     state = _array(state, "state")
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]

@@ -34,7 +34,8 @@ import numpy as np
 L2NORM_EPS = 1e-6
 CHECKPOINT_EVERY = 64  # the backward stores every 64th state and recomputes between
 
-__all__ = ["forward", "backward", "recurrent", "l2norm", "L2NORM_EPS", "TOLERANCES",
+__all__ = ["forward", "backward", "recurrent", "states", "gates", "gates_backward", "l2norm",
+           "L2NORM_EPS", "TOLERANCES",
            "tolerance", "rel_error"]
 
 # ---- the tolerance table (DESIGN §3) ----------------------------------------
@@ -171,8 +172,9 @@ def _step(S, q, k, v, g, beta, scale):
     return S_new, o, (a, Sd, p, u)
 
 
-def _sequence_forward(q, k, v, g, beta, S0, scale, checkpoints=None):
-    """q,k [L,HV,K] (heads expanded), v [L,HV,V], g,beta [L,HV], S0 [HV,K,V]."""
+def _sequence_forward(q, k, v, g, beta, S0, scale, checkpoints=None, trajectory=None):
+    """q,k [L,HV,K] (heads expanded), v [L,HV,V], g,beta [L,HV], S0 [HV,K,V].
+    trajectory (a list): gets the state after every token."""
     L = q.shape[0]
     o = np.zeros(v.shape, dtype=np.float64)
     S = S0.copy()
@@ -180,6 +182,8 @@ def _sequence_forward(q, k, v, g, beta, S0, scale, checkpoints=None):
         if checkpoints is not None and t % CHECKPOINT_EVERY == 0:
             checkpoints.append(S.copy())
         S, o[t], _ = _step(S, q[t], k[t], v[t], g[t], beta[t], scale)
+        if trajectory is not None:
+            trajectory.append(S.copy())
     return o, S
 
 
@@ -285,6 +289,71 @@ def backward(q, k, v, g, beta, do, *, dfinal_state=None, scale=None, initial_sta
         dq = _l2norm_backward(q, rq, dq)
         dk = _l2norm_backward(k, rk, dk)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def states(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+           use_qk_l2norm=False):
+    """The state after every token: a list over sequences n of float64 arrays
+    [L_n, HV, K, V] (entry t: the state after token t of the sequence). The
+    speculative-verify intermediate states and the prefix-cache checkpoints
+    are rows of these."""
+    q, k, v, g, beta = (_f64(x) for x in (q, k, v, g, beta))
+    B, T, H, HV, K, V = _shapes(q, k, v, g, beta)
+    scale = K ** -0.5 if scale is None else float(scale)
+    N = _num_sequences(B, cu_seqlens)
+    h0 = np.zeros((N, HV, K, V)) if initial_state is None else _f64(initial_state)
+    qn, kn, _, _ = _prepare(q, k, use_qk_l2norm)
+    out = [None] * N
+    for n, b, s, e in _sequences(B, T, cu_seqlens):
+        traj = []
+        _sequence_forward(_expand_heads(qn[b, s:e], HV), _expand_heads(kn[b, s:e], HV), v[b, s:e],
+                          g[b, s:e], beta[b, s:e], h0[n], scale, trajectory=traj)
+        out[n] = np.stack(traj) if traj else np.zeros((0, HV, K, V))
+    return out
+
+
+def _softplus(x):
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def gates(a, b, *, A_log=None, dt_bias=None, use_gate_in_kernel=False,
+          use_beta_sigmoid_in_kernel=False):
+    """The fused gates (FLA 0.6.0): returns (g, beta) float64 from the raw
+    a, b [.., HV]: g = -exp(A_log) softplus(a + dt_bias) with
+    use_gate_in_kernel (else g = a), beta = sigmoid(b) with
+    use_beta_sigmoid_in_kernel (else beta = b)."""
+    a, b = _f64(a), _f64(b)
+    g = a
+    if use_gate_in_kernel:
+        x = a + (0.0 if dt_bias is None else _f64(dt_bias))
+        g = -np.exp(_f64(A_log)) * _softplus(x)
+    return g, (_sigmoid(b) if use_beta_sigmoid_in_kernel else b)
+
+
+def gates_backward(a, b, dg, dbeta, *, A_log=None, dt_bias=None, use_gate_in_kernel=False,
+                   use_beta_sigmoid_in_kernel=False):
+    """Reverse mode of gates(): from dL/dg, dL/dbeta returns (da, db, dA_log,
+    ddt_bias); dA_log, ddt_bias [HV] are None without use_gate_in_kernel
+    (ddt_bias None without dt_bias)."""
+    a, b, dg, dbeta = (_f64(x) for x in (a, b, dg, dbeta))
+    da, dA, ddt = dg, None, None
+    if use_gate_in_kernel:
+        # fwd: g = -exp(A_log) softplus(x), x = a + dt_bias
+        x = a + (0.0 if dt_bias is None else _f64(dt_bias))
+        e = np.exp(_f64(A_log))
+        da = dg * (-e * _sigmoid(x))
+        axes = tuple(range(a.ndim - 1))
+        dA = np.sum(dg * (-e * _softplus(x)), axis=axes)
+        ddt = None if dt_bias is None else np.sum(da, axis=axes)
+    db = dbeta
+    if use_beta_sigmoid_in_kernel:  # fwd: beta = sigmoid(b)
+        s = _sigmoid(b)
+        db = dbeta * s * (1.0 - s)
+    return da, db, dA, ddt
 
 
 def recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seqlens=None,

@@ -194,9 +194,9 @@ def test_chunk_gated_delta_rule_is_fla_compatible():
     assert none is None and torch.equal(o3, o)
     with pytest.raises(ValueError, match="head_first"):
         chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], head_first=True)
-    with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
         chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
-                               use_beta_sigmoid_in_kernel=True)
+                               use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
     # any other keyword is ignored, as FLA ignores it (transformers passes use_cache & co.)
     o4, _ = chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
                                    initial_state=t["h0"], use_qk_l2norm_in_kernel=True,

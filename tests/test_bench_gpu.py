@@ -47,10 +47,14 @@ def dry(tmp_path_factory):
 
 
 def test_plan_rows_selects_passes(bench):
-    counts = {p: len(bench.plan_rows(p)) for p in ("fwd", "bwd", "train", "decode")}
-    assert counts == {"fwd": 12, "bwd": 5, "train": 5, "decode": 6}
+    counts = {p: len(bench.plan_rows(p)) for p in ("fwd", "bwd", "train", "decode", "verify")}
+    # ANCHORS.md's rows plus issue 11's: 3 fused-gate prefill, 2 [V, K] decode, 3 verify
+    assert counts == {"fwd": 15, "bwd": 5, "train": 5, "decode": 8, "verify": 3}
     plan = bench.plan_rows("all")
-    assert len(plan) == 28
+    assert len(plan) == 36
+    labels = [bench.spec_label(p, s) for p, s in plan]
+    assert "fwd+gates 16/32 1x8192" in labels and "decode 16/32 N=64 T=1 vk" in labels
+    assert "verify 16/32 N=64 T=4" in labels and len(set(labels)) == len(labels)
     # each backward shape's "bwd" and "train" rows are adjacent (they share FlashQLA's kernels)
     labels = [bench.spec_label(p, s) for p, s in plan]
     i = labels.index("bwd 4/8 1x32768")
@@ -98,16 +102,17 @@ def test_dry_run_json_has_every_column(dry):
     for lib in ("torch", "triton", "fla", "flash_qla", "tilelang", "driver", "flashqla"):
         assert lib in res["versions"]
     rows = res["rows"]
-    assert [sum(r["pass"] == p for r in rows) for p in ("fwd", "bwd", "train", "decode")] == [12, 5, 5, 6]
+    assert [sum(r["pass"] == p for r in rows) for p in ("fwd", "bwd", "train", "decode", "verify")] == \
+        [15, 5, 5, 8, 3]
     for r in rows:
         assert "flash_qla_ms" in r and "flashqla_ms" in r and "fla_ms" in r
         if r["pass"] in ("fwd", "train"):
             assert set(r["peak_extra_mib"]) == {"flashqla", "flash_qla", "fla"}
         else:
             assert "peak_extra_mib" not in r
-        if r["pass"] == "decode":
-            assert r["flash_qla_ms"] is None
-    measured = [r for r in rows[:20] if r["pass"] != "decode"]
+        if r["pass"] in ("decode", "verify") or r.get("gates") == "fused":
+            assert r["flash_qla_ms"] is None             # FlashQLA has no decode, no fused gates
+    measured = [r for r in rows[:20] if r["pass"] not in ("decode", "verify") and not r.get("gates")]
     assert all(r["flash_qla_ms"] is not None and r.get("flash_qla_jit_s") is not None for r in measured)
     assert any(r["flash_qla_over_flashqla"] is not None for r in measured)
     for r in rows[20:]:                                     # skipped by the (fake) time budget

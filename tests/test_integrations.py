@@ -57,8 +57,7 @@ def test_fused_recurrent_defaults_and_refusals():
     assert_close("final_state", ht, ht_ref, TOL32)
     base = (t["q"], t["k"], t["v"], t["g"])
     for name, value in (("gk", torch.zeros(2, 3, 2, 16)), ("gv", torch.zeros(2, 3, 2, 16)),
-                        ("allow_neg_eigval", True), ("state_v_first", True),
-                        ("use_gate_in_kernel", True)):
+                        ("allow_neg_eigval", True)):
         with pytest.raises(ValueError, match=f"^{name}: {name}=.* fused_recurrent_gated_delta_rule"):
             flashqla.fused_recurrent_gated_delta_rule(*base, beta=t["beta"], **{name: value})
     with pytest.raises(ValueError, match="^beta: "):

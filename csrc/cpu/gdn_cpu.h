@@ -20,6 +20,9 @@
  *   fq_fwd_ctx, fq_rec_ctx the work-item contexts of the forward and the
  *                          recurrent step (shared by their entry points and
  *                          the per-ISA kernel files)
+ *   fq_cpu_gate_g/_beta    the gates the operator uses (fused gates applied)
+ *   fq_cpu_load_state_*    a K x V state of either layout -> row-major [K][ld]
+ *   fq_cpu_store_state_*   and back (gdn_cpu_state.c)
  *
  * The definitions live in gdn_cpu_common.c (thread pool, conversions, L2
  * norm, GEMM entry points) and gdn_cpu_dispatch.c (the kernel-set choice).
@@ -161,6 +164,63 @@ static inline void fq_cpu_prefetch_row(const void *base, fq_dtype dt, int64_t of
     (void)base; (void)dt; (void)offset; (void)n;
 #endif
 }
+
+/* ------------------------------------------------------ fused gates ---- */
+
+/* softplus(x) = log(1 + e^x), and x itself past 20 (FLA's threshold) */
+static inline double fq_cpu_softplus(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+static inline double fq_cpu_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* x = a + dt_bias[j] of the fused gate (element i of p->g holds a) */
+static inline double fq_cpu_gate_x(const fq_gdn_params *p, int64_t i, int64_t j)
+{
+    double a = fq_cpu_load1(p->g, p->gate_dtype, i);
+    return p->dt_bias ? a + fq_cpu_load1(p->dt_bias, p->gate_param_dtype, j) : a;
+}
+
+/* The log decay g the operator uses for element i = token * HV + j:
+ * p->g itself, or with use_gate_in_kernel g = -exp(A_log[j]) softplus(a + dt_bias[j]). */
+static inline double fq_cpu_gate_g(const fq_gdn_params *p, int64_t i, int64_t j)
+{
+    if (!p->use_gate_in_kernel) return fq_cpu_load1(p->g, p->gate_dtype, i);
+    return -exp(fq_cpu_load1(p->A_log, p->gate_param_dtype, j)) * fq_cpu_softplus(fq_cpu_gate_x(p, i, j));
+}
+
+/* fwd: g = -exp(A_log) softplus(x)  ->  dg/da = dg/ddt_bias = -exp(A_log) sigmoid(x)
+ * (and dg/dA_log = g) */
+static inline double fq_cpu_gate_dg_da(const fq_gdn_params *p, int64_t i, int64_t j)
+{
+    return -exp(fq_cpu_load1(p->A_log, p->gate_param_dtype, j)) * fq_cpu_sigmoid(fq_cpu_gate_x(p, i, j));
+}
+
+/* beta the operator uses: p->beta, or sigmoid(b) with use_beta_sigmoid_in_kernel */
+static inline double fq_cpu_gate_beta(const fq_gdn_params *p, int64_t i)
+{
+    double b = fq_cpu_load1(p->beta, p->gate_dtype, i);
+    return p->use_beta_sigmoid_in_kernel ? fq_cpu_sigmoid(b) : b;
+}
+
+/* ------------------------------------------------------------- states ---- */
+
+/* S[i * ld + c] = element (i, c) of the K x V state at element offset `off`
+ * of base (dtype dt), stored [K][V] (vk = 0) or [V][K] (vk = 1). */
+void fq_cpu_load_state_f32(float *S, int64_t ld, const void *base, fq_dtype dt, int64_t off, int64_t K,
+                           int64_t V, int vk);
+void fq_cpu_load_state_f64(double *S, int64_t ld, const void *base, fq_dtype dt, int64_t off, int64_t K,
+                           int64_t V, int vk);
+/* The reverse: element (i, c) of the stored state = S[i * ld + c]. */
+void fq_cpu_store_state_f32(void *base, fq_dtype dt, int64_t off, const float *S, int64_t ld, int64_t K,
+                            int64_t V, int vk);
+void fq_cpu_store_state_f64(void *base, fq_dtype dt, int64_t off, const double *S, int64_t ld, int64_t K,
+                            int64_t V, int vk);
+/* The one for S's real type (float or double), for the bodies written once
+ * per real type (gdn_cpu_*_impl.h, in any instruction-set instantiation). */
+#define fq_cpu_load_state(S, ...) \
+    _Generic((S), float *: fq_cpu_load_state_f32, double *: fq_cpu_load_state_f64)(S, __VA_ARGS__)
+#define fq_cpu_store_state(base, dt, off, S, ...)                                                  \
+    _Generic((S), float *: fq_cpu_store_state_f32, const float *: fq_cpu_store_state_f32,          \
+             double *: fq_cpu_store_state_f64, const double *: fq_cpu_store_state_f64)(base, dt, off, \
+                                                                                    S, __VA_ARGS__)
 
 /* ------------------------------------------------------------ indices ---- */
 

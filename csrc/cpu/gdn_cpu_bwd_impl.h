@@ -230,8 +230,8 @@ static void FN(load_chunk)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t tok0, 
             if (p->use_qk_l2norm) FQ_L2NORM(w->Q + r * K, K);
             FQ_LOAD(w->dO + r * V, p->dout, p->dtype, (tok * HV + j) * V, V);
         }
-        w->gc[r] = (REAL)fq_cpu_load1(p->g, p->gate_dtype, tok * HV + j);
-        w->bc[r] = (REAL)fq_cpu_load1(p->beta, p->gate_dtype, tok * HV + j);
+        w->gc[r] = (REAL)fq_cpu_gate_g(p, tok * HV + j, j); /* fused gates applied */
+        w->bc[r] = (REAL)fq_cpu_gate_beta(p, tok * HV + j);
     }
     /* gam_r = sum_{s <= r} g_s, kept in double even for float: with strong
      * decay gam reaches ~ -1e3 within a chunk, and a float gam_r - gam_s
@@ -487,9 +487,10 @@ static void FN(chunk_bwd)(const fq_gdn_params *p, FN(bwd_ws) *w, const REAL *S, 
 
 /* One (sequence n, value head j): both passes over the chunks. Adds q_hat and
  * k_hat gradients to accq/acck (row t at t * ld), writes dv, dg, dbeta of the
- * value head and dh0[n, j]. */
+ * value head and dh0[n, j]. With use_gate_in_kernel, gsum[0], gsum[1] get
+ * this (n, j)'s sums of dL/dA_log and dL/ddt_bias over its tokens. */
 static void FN(bwd_value_head)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t n, int64_t j,
-                               REAL *accq, REAL *acck, int64_t ld)
+                               REAL *accq, REAL *acck, int64_t ld, double *gsum)
 {
     const int64_t K = p->K, V = p->V, HV = p->HV;
     const int64_t h = j / (HV / p->H);
@@ -502,7 +503,7 @@ static void FN(bwd_value_head)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t n,
     const int64_t nchunks = (len + CH - 1) / CH;
 
     /* pass 1: S at the start of every chunk  (fwd: S' = e^gC S + K^T diag(kd) Vn) */
-    if (p->h0) FQ_LOAD(w->S, p->h0, p->state_dtype, (n * HV + j) * KV, KV);
+    if (p->h0) fq_cpu_load_state(w->S, V, p->h0, p->state_dtype, (n * HV + j) * KV, K, V, p->state_vk);
     else FN(zero)(w->S, KV);
     for (int64_t ci = 0; ci < nchunks; ci++) {
         memcpy(w->states + (size_t)ci * sstride, w->S, (size_t)KV * sizeof(REAL));
@@ -518,8 +519,9 @@ static void FN(bwd_value_head)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t n,
     }
 
     /* pass 2: reverse over the chunks, carrying dS from dht to dh0 */
-    if (p->dht) FQ_LOAD(w->dS, p->dht, p->state_dtype, (n * HV + j) * KV, KV);
+    if (p->dht) fq_cpu_load_state(w->dS, V, p->dht, p->state_dtype, (n * HV + j) * KV, K, V, p->state_vk);
     else FN(zero)(w->dS, KV);
+    double sum_dA = 0, sum_ddt = 0;
     for (int64_t ci = nchunks - 1; ci >= 0; ci--) {
         const int64_t t0 = ci * CH;
         const int64_t c = len - t0 < CH ? len - t0 : CH;
@@ -529,6 +531,17 @@ static void FN(bwd_value_head)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t n,
         for (int64_t r = 0; r < c; r++) {
             const int64_t tok = tok_base + t0 + r;
             FQ_STORE(p->dv, p->dtype, (tok * HV + j) * V, w->dVb + r * V, V);
+            if (p->use_gate_in_kernel) {
+                /* fwd: g = -exp(A_log) softplus(a + dt_bias)  ->  da = dg dg/da,
+                 * dA_log += dg g, ddt_bias += da */
+                const double dgr = w->dgam[r];
+                const double da = dgr * fq_cpu_gate_dg_da(p, tok * HV + j, j);
+                sum_dA += dgr * (double)w->gc[r];
+                sum_ddt += da;
+                w->dgam[r] = (REAL)da;
+            }
+            if (p->use_beta_sigmoid_in_kernel) /* fwd: beta = sigmoid(b)  ->  db = dbeta beta (1 - beta) */
+                w->db[r] *= w->bc[r] * (1 - w->bc[r]);
             FQ_STORE(p->dg, p->gate_dtype, tok * HV + j, w->dgam + r, 1);
             FQ_STORE(p->dbeta, p->gate_dtype, tok * HV + j, w->db + r, 1);
             REAL *aq = accq + (t0 + r) * ld, *ak = acck + (t0 + r) * ld;
@@ -540,7 +553,11 @@ static void FN(bwd_value_head)(const fq_gdn_params *p, FN(bwd_ws) *w, int64_t n,
         w->dS = w->dSp;
         w->dSp = t;
     }
-    if (p->dh0) FQ_STORE(p->dh0, p->state_dtype, (n * HV + j) * KV, w->dS, KV);
+    if (p->dh0) fq_cpu_store_state(p->dh0, p->state_dtype, (n * HV + j) * KV, w->dS, V, K, V, p->state_vk);
+    if (gsum) {
+        gsum[0] = sum_dA;
+        gsum[1] = sum_ddt;
+    }
 }
 
 /* dq, dk of (sequence n, q/k head h) from the gradients of q_hat, k_hat summed
@@ -583,7 +600,14 @@ typedef struct {
     int64_t max_chunks, Tacc;
     const int64_t *order;   /* sequences, longest first */
     REAL *gacc_q, *gacc_k;  /* mode B: [B*T][HV][K] per-value-head gradients */
+    double *gsum;           /* use_gate_in_kernel: [N][HV][2] sums of dA_log, ddt_bias */
 } FN(bwd_ctx);
+
+/* this (sequence n, value head j)'s slot of cx->gsum, or NULL */
+static double *FN(bwd_gsum)(FN(bwd_ctx) *cx, int64_t n, int64_t j)
+{
+    return cx->gsum ? cx->gsum + (n * cx->p->HV + j) * 2 : NULL;
+}
 
 static void FN(bwd_ws_for)(FN(bwd_ctx) *cx, int tid, FN(bwd_ws) *w)
 {
@@ -605,7 +629,7 @@ static void FN(bwd_item_qk_head)(void *ctx, int64_t item, int tid)
     FN(zero)(w.accq, len * p->K);
     FN(zero)(w.acck, len * p->K);
     for (int64_t j = h * G; j < (h + 1) * G; j++)
-        FN(bwd_value_head)(p, &w, n, j, w.accq, w.acck, p->K);
+        FN(bwd_value_head)(p, &w, n, j, w.accq, w.acck, p->K, FN(bwd_gsum)(cx, n, j));
     FN(bwd_finish_qk)(p, &w, n, h, w.accq, w.acck, p->K, 1);
 }
 
@@ -626,7 +650,7 @@ static void FN(bwd_item_value_head)(void *ctx, int64_t item, int tid)
         FN(zero)(aq + t * HV * K, K);
         FN(zero)(ak + t * HV * K, K);
     }
-    FN(bwd_value_head)(p, &w, n, j, aq, ak, HV * K);
+    FN(bwd_value_head)(p, &w, n, j, aq, ak, HV * K, FN(bwd_gsum)(cx, n, j));
 }
 
 static void FN(bwd_item_finish)(void *ctx, int64_t item, int tid)
@@ -675,6 +699,13 @@ static fq_status FN(chunk_bwd_run)(const fq_gdn_params *p, const int64_t *order,
         return fq_fail(FQ_ERR_NOMEM, "chunk_bwd: cannot allocate %zu bytes of CPU scratch",
                        (size_t)nt * cx.ws_elems * sizeof(REAL));
     fq_status st = FQ_OK;
+    if (p->use_gate_in_kernel) {
+        cx.gsum = (double *)calloc((size_t)(N * HV * 2 > 0 ? N * HV * 2 : 1), sizeof(double));
+        if (!cx.gsum) {
+            st = fq_fail(FQ_ERR_NOMEM, "chunk_bwd: cannot allocate %lld gate sums", (long long)(N * HV * 2));
+            goto done;
+        }
+    }
     if (mode_b) {
         const size_t nacc = (size_t)p->B * (size_t)p->T * (size_t)HV * (size_t)K;
         cx.gacc_q = (REAL *)malloc((nacc ? nacc : 1) * sizeof(REAL));
@@ -689,7 +720,20 @@ static fq_status FN(chunk_bwd_run)(const fq_gdn_params *p, const int64_t *order,
     } else {
         st = fq_cpu_parallel_for(N * H, nt, FN(bwd_item_qk_head), &cx);
     }
+    /* dA_log[j], ddt_bias[j]: the per-(sequence, head) sums added in sequence
+     * order, so the result does not depend on the threads */
+    if (st == FQ_OK && cx.gsum)
+        for (int64_t j = 0; j < HV; j++) {
+            double a = 0, b = 0;
+            for (int64_t n = 0; n < N; n++) {
+                a += cx.gsum[(n * HV + j) * 2];
+                b += cx.gsum[(n * HV + j) * 2 + 1];
+            }
+            if (p->dA_log) fq_cpu_store_f64(p->dA_log, p->gate_param_dtype, j, &a, 1);
+            if (p->ddt_bias) fq_cpu_store_f64(p->ddt_bias, p->gate_param_dtype, j, &b, 1);
+        }
 done:
+    free(cx.gsum);
     free(cx.gacc_q);
     free(cx.gacc_k);
     free(cx.scratch);

@@ -59,6 +59,24 @@ fq_status fq_cpu_check_dims(const fq_gdn_params *p)
     return FQ_OK;
 }
 
+/* cu_checkpoints[n] = sum_{m < n} L_m / checkpoint_every, and the rows past
+ * the last checkpoint (the buffer's bound exceeds the count with cu_seqlens)
+ * set to zero. */
+static void fq_cpu_checkpoint_index(const fq_gdn_params *p)
+{
+    int64_t *cu = (int64_t *)p->cu_checkpoints, total = 0;
+    for (int64_t n = 0; n < p->N; n++) {
+        int64_t row, first, len;
+        fq_cpu_seq_bounds(p, n, &row, &first, &len);
+        cu[n] = total;
+        total += len / p->checkpoint_every;
+    }
+    cu[p->N] = total;
+    const size_t per = (size_t)(p->HV * p->K * p->V) * fq_dtype_size(p->state_dtype);
+    const int64_t rows = fq_checkpoint_rows(p);
+    if (rows > total) memset((char *)p->checkpoints + (size_t)total * per, 0, (size_t)(rows - total) * per);
+}
+
 fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p)
 {
     fq_status st = fq_check_params(p, 'f');
@@ -69,6 +87,7 @@ fq_status fq_cpu_chunk_fwd(const fq_gdn_params *p)
     const fq_cpu_kernels *kern;
     st = fq_cpu_kernels_get(&kern);
     if (st != FQ_OK) return st;
+    if (p->checkpoint_every) fq_cpu_checkpoint_index(p);
 
     const int is64 = p->dtype == FQ_F64;
     const size_t esz = is64 ? sizeof(double) : sizeof(float);

@@ -70,8 +70,8 @@ static void FQ_SFX(fwd_chunk)(const fq_fwd_ctx *x, REAL *scr, int64_t h, int64_t
                 FQ_L2NORM(Qc + r * Kp, K);
                 FQ_L2NORM(Kc + r * Kp, K);
             }
-            gd[r] = fq_cpu_load1(p->g, p->gate_dtype, t * HV + j);
-            bet[r] = (REAL)fq_cpu_load1(p->beta, p->gate_dtype, t * HV + j);
+            gd[r] = fq_cpu_gate_g(p, t * HV + j, j); /* fused gates applied */
+            bet[r] = (REAL)fq_cpu_gate_beta(p, t * HV + j);
         } else {
             memset(Qc + r * Kp, 0, (size_t)K * sizeof(REAL));
             memset(Kc + r * Kp, 0, (size_t)K * sizeof(REAL));
@@ -184,18 +184,33 @@ static void FQ_SFX(fwd_item)(void *vctx, int64_t item, int thread_id)
     int64_t row, first, len;
     fq_cpu_seq_bounds(p, n, &row, &first, &len);
 
-    /* S = h0[n, j] (zeros without h0), zero-padded to Kp x Vp */
-    const int64_t st = (n * p->HV + j) * K * V;
+    /* S = h0[n, j], or pool slot state_indices[n] (pool-indexed prefill),
+     * or zeros (no h0, negative slot); zero-padded to Kp x Vp. The final
+     * state goes back where S came from (ht, or the slot). */
+    int64_t slot = n;
+    const void *src = p->h0;
+    void *dst = p->ht;
+    if (p->state) {
+        slot = p->state_indices ? fq_cpu_index(p->state_indices, p->state_indices_is_int64, n) : n;
+        src = dst = slot >= 0 ? p->state : NULL;
+    }
+    const int64_t KV = K * V, st = (slot * p->HV + j) * KV;
     memset(S, 0, (size_t)(Kp * Vp) * sizeof(REAL));
-    if (p->h0)
-        for (int64_t i = 0; i < K; i++) FQ_LOAD(S + i * Vp, p->h0, p->state_dtype, st + i * V, V);
+    if (src) fq_cpu_load_state(S, Vp, src, p->state_dtype, st, K, V, p->state_vk);
 
+    /* checkpoints: the state after every checkpoint_every tokens (a chunk
+     * end, checkpoint_every being a multiple of C) to row cu_checkpoints[n] + c - 1 */
+    const int64_t ne = p->checkpoint_every;
+    const int64_t ck0 = ne ? ((const int64_t *)p->cu_checkpoints)[n] : 0;
     for (int64_t c0 = 0; c0 < len; c0 += C) {
         int64_t Lc = len - c0 < C ? len - c0 : C;
         int64_t next = len - c0 - Lc < C ? len - c0 - Lc : C;
         FQ_SFX(fwd_chunk)(x, scr, h, j, row * p->T + first + c0, Lc, next, S);
+        if (ne && (c0 + Lc) % ne == 0)
+            fq_cpu_store_state(p->checkpoints, p->state_dtype,
+                                       ((ck0 + (c0 + Lc) / ne - 1) * p->HV + j) * KV, S, Vp, K, V,
+                                       p->state_vk);
     }
 
-    if (p->ht)
-        for (int64_t i = 0; i < K; i++) FQ_STORE(p->ht, p->state_dtype, st + i * V, S + i * Vp, V);
+    if (dst) fq_cpu_store_state(dst, p->state_dtype, st, S, Vp, K, V, p->state_vk);
 }

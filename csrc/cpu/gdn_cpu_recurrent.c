@@ -4,7 +4,10 @@
  * token by token over each sequence, reading and updating the state pool
  * [P, HV, K, V] in place at slot state_indices[n] (or n). A negative slot
  * marks padding: the sequence is skipped, its o rows are written as 0 and the
- * pool is left untouched.
+ * pool is left untouched. Serving options (gdn.h): fused gates (computed per
+ * token while loading), the [V, K] pool (and no_state_update) through a
+ * [K][V] copy of the slot, intermediate_states after every token (groups of
+ * one token then).
  *
  * Work items (sequence, value head) are spread over threads, no more than
  * leave each thread a few state blocks' worth of work (a small decode step

@@ -113,14 +113,19 @@ static void FQ_SFX(rec_item)(void *vctx, int64_t item, int thread_id)
     }
     if (len == 0) return;
 
-    /* S: the pool entry itself when its dtype is REAL, else a copy */
+    /* S: the pool entry itself when its dtype is REAL, its layout [K][V] and
+     * the pool is to be updated; else a copy ([K][V], row stride V) */
     const int64_t st = (slot * HV + j) * K * V;
-    const int in_place = p->state_dtype == (sizeof(REAL) == 8 ? FQ_F64 : FQ_F32);
+    const int in_place = p->state_dtype == (sizeof(REAL) == 8 ? FQ_F64 : FQ_F32) && !p->state_vk &&
+                         !p->no_state_update;
     REAL *S = in_place ? (REAL *)p->state + st : Sbuf;
-    if (!in_place) FQ_LOAD(S, p->state, p->state_dtype, st, K * V);
+    if (!in_place) fq_cpu_load_state(S, V, p->state, p->state_dtype, st, K, V, p->state_vk);
 
-    for (int64_t g0 = 0; g0 < len; g0 += FQ_TG) {
-        const int64_t nt = len - g0 < FQ_TG ? len - g0 : FQ_TG;
+    /* with intermediate_states the state after every token is stored, so
+     * groups of one token (the block kernels then re-read S from L1/L2) */
+    const int64_t tg = p->intermediate_states ? 1 : FQ_TG;
+    for (int64_t g0 = 0; g0 < len; g0 += tg) {
+        const int64_t nt = len - g0 < tg ? len - g0 : tg;
         for (int64_t t = 0; t < nt; t++) { /* load the group's tokens */
             const int64_t tok = tok0 + g0 + t;
             REAL *q = G.q + t * K, *k = G.k + t * K;
@@ -134,8 +139,8 @@ static void FQ_SFX(rec_item)(void *vctx, int64_t item, int thread_id)
             REAL kq = 0;
             for (int64_t i = 0; i < K; i++) kq += k[i] * q[i];
             G.kq[t] = kq;
-            G.alpha[t] = FQ_EXP((REAL)fq_cpu_load1(p->g, p->gate_dtype, tok * HV + j));
-            G.beta[t] = (REAL)fq_cpu_load1(p->beta, p->gate_dtype, tok * HV + j);
+            G.alpha[t] = FQ_EXP((REAL)fq_cpu_gate_g(p, tok * HV + j, j)); /* fused gates applied */
+            G.beta[t] = (REAL)fq_cpu_gate_beta(p, tok * HV + j);
         }
         int64_t c0 = 0;
 #ifdef FQ_REC_VEC_BLOCKS
@@ -148,6 +153,10 @@ static void FQ_SFX(rec_item)(void *vctx, int64_t item, int thread_id)
         }
         for (int64_t t = 0; t < nt; t++)
             FQ_STORE(p->o, p->dtype, ((tok0 + g0 + t) * HV + j) * V, G.o + t * V, V);
+        if (p->intermediate_states) /* the state after token g0 */
+            fq_cpu_store_state(p->intermediate_states, p->state_dtype,
+                                       ((n * p->Ti + g0) * HV + j) * K * V, S, V, K, V, p->state_vk);
     }
-    if (!in_place) FQ_STORE(p->state, p->state_dtype, st, S, K * V);
+    if (!in_place && !p->no_state_update)
+        fq_cpu_store_state(p->state, p->state_dtype, st, S, V, K, V, p->state_vk);
 }

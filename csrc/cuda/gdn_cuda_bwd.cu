@@ -106,7 +106,7 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
 
 extern "C" size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p)
 {
-    return fq_bwd_ws_layout(p, NULL, NULL);
+    return fq_cuda_gates_ws_bytes(p, 'b') + fq_bwd_ws_layout(p, NULL, NULL);
 }
 
 /* The whole backward on the current device. ev (NULL in the library): five
@@ -163,6 +163,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.scale = (float)p->scale;
+    args.state_vk = p->state_vk;
 
     /* 3-6 (each launcher checks K, V; fq_cuda_fwd_check_sizes already did) */
     const int64_t nc = ws.f.nc_max;
@@ -190,9 +191,15 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     return FQ_OK;
 }
 
+/* [serving] fused gates around the backward: float32 g, beta pre-passed,
+ * the backward's float32 dg, dbeta turned into da, db, dA_log, ddt_bias. */
 static fq_status fq_chunk_bwd_on_device(const fq_gdn_params *p)
 {
-    return fq_cuda_bwd_run(p, NULL);
+    fq_gdn_params q;
+    fq_status st = fq_cuda_gates_begin(p, 'b', &q, (cudaStream_t)p->stream);
+    if (st != FQ_OK) return st;
+    if ((st = fq_cuda_bwd_run(&q, NULL)) != FQ_OK) return st;
+    return fq_cuda_gates_end(p, &q, (cudaStream_t)p->stream);
 }
 
 extern "C" fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p)
@@ -201,5 +208,6 @@ extern "C" fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p)
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
     if ((st = fq_cuda_check_contents(p, 'b')) != FQ_OK) return st; /* FLASHQLA_CHECK_INPUTS=1 */
+    if ((st = fq_cuda_check_serving(p)) != FQ_OK) return st;
     return fq_cuda_on_device(p, fq_chunk_bwd_on_device);
 }

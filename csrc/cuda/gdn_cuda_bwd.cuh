@@ -71,6 +71,7 @@ struct fq_bwd_args {
                           now (0 was for the removed unfused bwd_local) */
     int H, HV;
     float scale;
+    int state_vk;      /* [serving] dht, dh0 (and h0) stored [V][K] (fq_state_at) */
 };
 
 /* bwd_local2 (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head)

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int k = k0 + 8 * nt + 2 * t + (e & 1), v = vw + g + 8 * (e >> 1);
-            D[nt][e] = a.dht ? a.dht[state_off + (int64_t)k * V + v] : 0.f;
+            D[nt][e] = a.dht ? a.dht[state_off + fq_state_at(k, v, K, V, a.state_vk)] : 0.f; /* [serving] layout */
         }
 
     /* Copies of chunk i (local index) into ring buffer b, in NPART parts
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
     }
     fq_cp_async_wait<0>();
 
-    if (a.dh0) fq_state_slice_store<NKT>(D, a.dh0, state_off, k0, vw, V, g, t);
+    if (a.dh0) fq_state_slice_store<NKT>(D, a.dh0, state_off, k0, vw, K, V, a.state_vk, g, t);
 }
 
 template <int K, int NW, int NS, int KS>

@@ -384,6 +384,20 @@ fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int6
  * In gdn_cuda_runtime.cu; each entry point calls it after
  * fq_check_params_device. */
 fq_status fq_cuda_check_contents(const fq_gdn_params *p, char op);
+/* [serving] (issue 11). The gate region at the start of every chunk
+ * workspace (op 'f' or 'b') and the pre-/post-passes of the fused gates
+ * (gdn_cuda_gates.cu): fq_cuda_gates_begin copies p to out with the
+ * workspace past the region and, with fused gates, float32 g, beta (and for
+ * 'b' dg, dbeta) in it; fq_cuda_gates_end turns the backward's dg, dbeta into
+ * p's da, db, dA_log, ddt_bias. */
+size_t fq_cuda_gates_ws_bytes(const fq_gdn_params *p, char op);
+fq_status fq_cuda_gates_begin(const fq_gdn_params *p, char op, fq_gdn_params *out, cudaStream_t stream);
+fq_status fq_cuda_gates_end(const fq_gdn_params *p, const fq_gdn_params *q, cudaStream_t stream);
+/* cu_checkpoints from the chunk table and the zero rows past the last
+ * checkpoint (gdn_cuda_fwd_checkpoints.cu); after fq_cuda_fwd_prepare. */
+fq_status fq_cuda_fwd_checkpoint_index(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* CUDA-only rules of the serving options: A_log, dt_bias float32. */
+fq_status fq_cuda_check_serving(const fq_gdn_params *p);
 
 /* fn(p) with p->device current, the caller's device restored after: the
  * body of the entry points fq_cuda_chunk_fwd / _bwd / fq_cuda_recurrent. */

@@ -404,13 +404,22 @@ extern "C" fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(c
     return st;
 }
 
+/* The fused kernel runs where the device has it and the call asks nothing it
+ * does not do: it reads h0 and writes ht as [K, V] states of their own, so
+ * pool-indexed prefill, the [V, K] layout and checkpoints (the serving options
+ * of the state pass) take the three-stage forward. */
+static int fq_cuda_fwd_fused_serves(const fq_gdn_params *p)
+{
+    return !p->state && !p->state_vk && p->checkpoint_every == 0 && fq_cuda_fwd_fused_available(p);
+}
+
 /* The fused forward where the current device runs it (asked without a
  * device switch: the binding sizes the workspace before the call), else the
  * three-stage forward, whose workspace is larger. */
 extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
 {
-    if (fq_cuda_fwd_fused_available(p)) return fq_cuda_fwd_fused_ws_layout(p, NULL, NULL);
-    return fq_cuda_fwd_ws_layout(p, NULL, NULL);
+    return fq_cuda_gates_ws_bytes(p, 'f') +
+           (fq_cuda_fwd_fused_serves(p) ? fq_cuda_fwd_fused_ws_layout(p, NULL, NULL) : fq_cuda_fwd_ws_layout(p, NULL, NULL));
 }
 
 /* Fused forward: 0. as below, A. gamma and A = (I+L)^-1 per chunk, B+C. the
@@ -427,25 +436,36 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, stream);
 }
 
-static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *p)
+static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
 {
-    cudaStream_t stream = (cudaStream_t)p->stream;
-    if (fq_cuda_fwd_fused_available(p) && p->workspace &&
+    cudaStream_t stream = (cudaStream_t)caller->stream;
+    /* [serving] fused gates: float32 g, beta pre-passed into the gate region
+     * at the workspace's start; p is the call as the stages see it */
+    fq_gdn_params pg;
+    fq_status st = fq_cuda_gates_begin(caller, 'f', &pg, stream);
+    if (st != FQ_OK) return st;
+    const fq_gdn_params *p = &pg;
+    if (fq_cuda_fwd_fused_serves(p) && p->workspace &&
         p->workspace_bytes >= fq_cuda_fwd_fused_ws_layout(p, NULL, NULL))
         return fq_chunk_fwd_fused(p);
-    fq_status st = fq_cuda_check_workspace(p, fq_cuda_fwd_ws_layout(p, NULL, NULL));
-    if (st != FQ_OK) return st;
+    if ((st = fq_cuda_check_workspace(p, fq_cuda_fwd_ws_layout(p, NULL, NULL))) != FQ_OK) return st;
     fq_fwd_ws ws;
     fq_cuda_fwd_ws_layout(p, p->workspace, &ws);
-    /* 0. chunk table, bf16 copies, inverse norms */
+    /* 0. chunk table, bf16 copies, inverse norms; [serving] the checkpoint index */
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st;
     /* A. gamma, A = (I+L)^-1, W, U per chunk */
     if ((st = fq_cuda_fwd_wy(p, &ws, stream)) != FQ_OK) return st;
     /* B. the sequential state pass: h, Vn, final state */
     if ((st = fq_cuda_fwd_state(p, &ws, (float *)p->ht, 0, stream)) != FQ_OK) return st;
     /* C. outputs */
     if ((st = fq_cuda_fwd_output(p, &ws, stream)) != FQ_OK) return st;
-    /* invalid cu_seqlens: NaN outputs */
+    /* invalid cu_seqlens: NaN outputs ([serving] the checkpoints too; a pool
+     * is left as it was: every sequence counted as empty wrote back its start) */
+    if (p->checkpoint_every && p->cu_seqlens &&
+        (st = fq_cuda_poison_if_invalid(ws.flags, p->checkpoints, FQ_F32,
+                                        fq_checkpoint_rows(p) * p->HV * p->K * p->V, stream)) != FQ_OK)
+        return st;
     return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, stream);
 }
 
@@ -455,5 +475,6 @@ extern "C" fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p)
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
     if ((st = fq_cuda_check_contents(p, 'f')) != FQ_OK) return st; /* FLASHQLA_CHECK_INPUTS=1 */
+    if ((st = fq_cuda_check_serving(p)) != FQ_OK) return st;
     return fq_cuda_on_device(p, fq_chunk_fwd_on_device);
 }

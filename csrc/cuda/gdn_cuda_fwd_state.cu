@@ -23,6 +23,18 @@ struct fq_state_args {
     const float *gamma, *kdecay;
     const fq_bf16 *w, *u;
     fq_bf16 *h, *vn;
+    /* [serving] pool-indexed prefill: h0 = ht = the pool, sequence n at slot
+     * idx[n] (no load and no store for a negative slot); idx NULL: slot n */
+    const void *idx;
+    int idx_is64;
+    int64_t P;               /* pool slots: a slot >= P (not checkable from the host) is
+                                treated like a negative one */
+    int vk;                  /* states [V][K] (fq_state_at) */
+    /* [serving] checkpoints: every ck_chunks chunks the state to row
+     * cu_ck[n] + c - 1 of ckpt [rows, HV, K, V] (NULL: none) */
+    float *ckpt;
+    const int64_t *cu_ck;
+    int ck_chunks;
 };
 
 /* ------------------------------------------------------------------ v2 ----
@@ -82,15 +94,35 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
     const int vw = vs * BV + 16 * grp; /* the group's first state column */
     const int k0 = kh * KW;            /* this warp's first state row */
 
-    /* S_0^T = h0 slice */
-    const int64_t state_off = ((int64_t)n * HV + j) * K * V;
+    /* S_0^T = h0 slice.
+     * [serving] pool-indexed prefill: the slice of slot idx[n] (zeros, and no
+     * final store, for a negative slot); either state layout. */
+    int64_t slot = n;
+    if (args.idx) {
+        slot = args.idx_is64 ? ((const int64_t *)args.idx)[n] : ((const int32_t *)args.idx)[n];
+        if (slot >= args.P) slot = -1;
+    }
+    /* [serving] a slot an earlier sequence names too belongs to that one (as in
+     * the recurrent step, gdn.h): this sequence runs from a NaN state (its o
+     * comes out NaN) and writes nothing back */
+    bool dup = false;
+    if (args.idx && slot >= 0) {
+        int d = 0;
+        for (int m = tid; m < n && !d; m += NTH)
+            d = (args.idx_is64 ? ((const int64_t *)args.idx)[m] : ((const int32_t *)args.idx)[m]) == slot;
+        dup = __syncthreads_or(d) != 0;
+        if (dup) slot = -1;
+    }
+    const int64_t state_off = (slot * HV + j) * K * V;
+    const float *h0 = slot >= 0 ? args.h0 : NULL;
     float S[NKT][4];
 #pragma unroll
     for (int nt = 0; nt < NKT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             int k = k0 + 8 * nt + 2 * tq + (e & 1), v = vw + gq + 8 * (e >> 1);
-            S[nt][e] = args.h0 ? args.h0[state_off + (int64_t)k * V + v] : 0.f;
+            S[nt][e] = h0 ? h0[state_off + fq_state_at(k, v, K, V, args.vk)]
+                          : (dup ? __int_as_float(0x7fc00000) : 0.f);
         }
 
     /* programmatic dependent launch (gdn_cuda_common.cuh): h0 (a caller's
@@ -99,6 +131,9 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
     fq_pdl_trigger();
     fq_pdl_wait();
     const fq_seq_info si = args.seqs[n];
+    /* [serving] checkpoints: this sequence's first row (written by an earlier
+     * kernel of the call, so read after the wait) */
+    const int64_t ck0 = args.ckpt ? args.cu_ck[n] : 0;
 
     /* async load of part `part` of chunk lc (local index) into buffer b:
      * rows part*RP .. part*RP + RP - 1 of W and K (RP = 64 / NPART), and in
@@ -176,6 +211,10 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
         const float *gam = (const float *)(buf + SM::b_g), *kdec = (const float *)(buf + SM::b_d);
         const int64_t chunk = si.chunk0 + lc;
         const int64_t tile = (chunk * HV + j) * 64;
+        /* [serving] checkpoint: S here is the state after lc * 64 tokens */
+        if (args.ckpt && lc > 0 && lc % args.ck_chunks == 0)
+            fq_state_slice_store<NKT>(S, args.ckpt, ((ck0 + lc / args.ck_chunks - 1) * HV + j) * K * V, k0, vw,
+                                      K, V, args.vk, gq, tq);
 
         /* acc = S^T[:, k0..] W^T[k0.., :] (16 x 64); h_c out on the way (a[q]
          * holds v = g + 8 (q & 1), k = k0 + 16 kk + 8 (q >> 1) + 2t, +1) */
@@ -250,7 +289,12 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
     }
     fq_cp_async_wait<0>();
 
-    if (args.ht) fq_state_slice_store<NKT>(S, args.ht, state_off, k0, vw, V, gq, tq);
+    /* [serving] checkpoint at the sequence's end (its length a multiple of
+     * checkpoint_every: the final state); the final state to ht or the slot */
+    if (args.ckpt && si.nchunks > 0 && si.len % (64 * args.ck_chunks) == 0)
+        fq_state_slice_store<NKT>(S, args.ckpt, ((ck0 + si.nchunks / args.ck_chunks - 1) * HV + j) * K * V, k0, vw,
+                                  K, V, args.vk, gq, tq);
+    if (args.ht && slot >= 0) fq_state_slice_store<NKT>(S, args.ht, state_off, k0, vw, K, V, args.vk, gq, tq);
 }
 
 template <int K, int NW, int NS, int KS>
@@ -321,6 +365,19 @@ extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_
     args.u = ws->u;
     args.h = ws->h;
     args.vn = ws->vn;
+    /* [serving] pool, layout, checkpoints (gdn.h) */
+    args.idx = NULL;
+    args.idx_is64 = 0;
+    args.P = p->P;
+    if (p->state) { /* pool-indexed prefill: h0 and ht are the pool (h0, ht NULL then) */
+        args.h0 = args.ht = (float *)p->state;
+        args.idx = p->state_indices;
+        args.idx_is64 = p->state_indices_is_int64;
+    }
+    args.vk = p->state_vk;
+    args.ckpt = p->checkpoint_every ? (float *)p->checkpoints : NULL;
+    args.cu_ck = (const int64_t *)p->cu_checkpoints;
+    args.ck_chunks = (int)(p->checkpoint_every / 64);
     int64_t blocks = p->N * p->HV * (V / bv);
     if (p->K == 128) return fq_launch_state2_k<128>(args, blocks, V, sms, bv, ksplit, stream);
     if (p->K == 64) return fq_launch_state2_k<64>(args, blocks, V, sms, bv, ksplit, stream);

@@ -116,7 +116,7 @@ extern "C" fq_status fq_cuda_check_contents(const fq_gdn_params *p, char op)
     int prev = 0;
     fq_status st = fq_cuda_enter_device(p->device, &prev, "FLASHQLA_CHECK_INPUTS");
     if (st != FQ_OK) return st;
-    void *g = NULL, *cu = NULL, *idx = NULL;
+    void *g = NULL, *cu = NULL, *idx = NULL, *acc = NULL;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     cudaError_t err = cudaStreamIsCapturing((cudaStream_t)p->stream, &cap);
     if (err != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
@@ -134,6 +134,10 @@ extern "C" fq_status fq_cuda_check_contents(const fq_gdn_params *p, char op)
             goto done;
         if ((st = fq_cuda_copy_to_host(p, p->state_indices, (size_t)p->N * isz_ix, &idx)) != FQ_OK)
             goto done;
+        if (op == 'c' && /* [serving] the commit's num_accepted */
+            (st = fq_cuda_copy_to_host(p, p->num_accepted, (size_t)p->N * (p->num_accepted_is_int64 ? 8 : 4),
+                                       &acc)) != FQ_OK)
+            goto done;
         err = cudaStreamSynchronize((cudaStream_t)p->stream);
         if (err != cudaSuccess) {
             (void)cudaGetLastError();
@@ -145,9 +149,11 @@ extern "C" fq_status fq_cuda_check_contents(const fq_gdn_params *p, char op)
         h.g = g ? g : p->g;   /* (an empty g is never read) */
         h.cu_seqlens = cu;
         h.state_indices = idx;
+        h.num_accepted = acc;
         st = fq_check_contents(&h, op);
     }
 done:
+    free(acc);
     free(g);
     free(cu);
     free(idx);

@@ -54,3 +54,9 @@ fq_status fq_cuda_recurrent(const fq_gdn_params *p)
     (void)p;
     return fq_fail(FQ_ERR_UNSUPPORTED, FQ_NO_CUDA_MESSAGE);
 }
+
+fq_status fq_cuda_commit(const fq_gdn_params *p)
+{
+    (void)p;
+    return fq_fail(FQ_ERR_UNSUPPORTED, FQ_NO_CUDA_MESSAGE);
+}

@@ -56,20 +56,22 @@ static int fq_parse_num_threads(PyObject *obj, int *out)
     return 0;
 }
 
-/* Runs op 'f', 'b' or 'r' on q's device with the GIL released. `ws` is the
- * workspace slot (imported only for CUDA calls). */
+/* Runs op 'f', 'b', 'r' or 'c' on the call's device with the GIL released.
+ * `ws` is the workspace slot (imported only for CUDA calls; NULL: the op
+ * takes none). */
 static int fq_dispatch(char op, fq_gdn_params *p, const fq_call *c, const fq_slot *ws)
 {
     fq_status st;
     if (c->device.device_type == kDLCPU) {
         Py_BEGIN_ALLOW_THREADS
-        st = op == 'f' ? fq_cpu_chunk_fwd(p) : op == 'b' ? fq_cpu_chunk_bwd(p) : fq_cpu_recurrent(p);
+        st = op == 'f' ? fq_cpu_chunk_fwd(p) : op == 'b' ? fq_cpu_chunk_bwd(p)
+           : op == 'r' ? fq_cpu_recurrent(p) : fq_cpu_commit(p);
         Py_END_ALLOW_THREADS
     } else {
         size_t need = op == 'f'   ? fq_cuda_chunk_fwd_workspace_bytes(p)
                       : op == 'b' ? fq_cuda_chunk_bwd_workspace_bytes(p)
-                                  : fq_cuda_recurrent_workspace_bytes(p);
-        if (ws->a.t) {
+                      : op == 'r' ? fq_cuda_recurrent_workspace_bytes(p) : 0;
+        if (ws && ws->a.t) {
             if ((uint64_t)ws->a.numel < (uint64_t)need) {
                 PyErr_Format(PyExc_ValueError,
                              "workspace: needs at least %zu bytes (flashqla._C.workspace_bytes), got %lld",
@@ -86,7 +88,8 @@ static int fq_dispatch(char op, fq_gdn_params *p, const fq_call *c, const fq_slo
             return -1;
         }
         Py_BEGIN_ALLOW_THREADS
-        st = op == 'f' ? fq_cuda_chunk_fwd(p) : op == 'b' ? fq_cuda_chunk_bwd(p) : fq_cuda_recurrent(p);
+        st = op == 'f' ? fq_cuda_chunk_fwd(p) : op == 'b' ? fq_cuda_chunk_bwd(p)
+           : op == 'r' ? fq_cuda_recurrent(p) : fq_cuda_commit(p);
         Py_END_ALLOW_THREADS
     }
     if (st != FQ_OK) {
@@ -96,37 +99,65 @@ static int fq_dispatch(char op, fq_gdn_params *p, const fq_call *c, const fq_slo
     return 0;
 }
 
+/* The fused-gate options into p (A_log, dt_bias are slots of the call). */
+static void fq_set_gates(fq_gdn_params *p, int use_gate, int use_sig, const fq_slot *A_log,
+                         const fq_slot *dt_bias)
+{
+    p->use_gate_in_kernel = use_gate;
+    p->use_beta_sigmoid_in_kernel = use_sig;
+    p->A_log = use_gate ? A_log->a.data : NULL;
+    p->dt_bias = use_gate ? dt_bias->a.data : NULL;
+}
+
 /* ================================================================ ops ====== */
 
 PyDoc_STRVAR(fq_chunk_fwd_doc,
 "chunk_fwd(q, k, v, g, beta, o, *, scale, initial_state=None, final_state=None,\n"
-"          cu_seqlens=None, use_qk_l2norm=False, workspace=None, stream=None,\n"
+"          cu_seqlens=None, use_qk_l2norm=False, state=None, state_indices=None,\n"
+"          checkpoint_every=0, checkpoints=None, cu_checkpoints=None,\n"
+"          state_layout=\"kv\", use_gate_in_kernel=False, A_log=None, dt_bias=None,\n"
+"          use_beta_sigmoid_in_kernel=False, workspace=None, stream=None,\n"
 "          num_threads=0) -> None\n\n"
 "Chunked forward of the gated delta rule. Writes o [B,T,HV,V] and, if given,\n"
 "final_state [N,HV,K,V] in place. q,k [B,T,H,K]; v [B,T,HV,V]; g,beta [B,T,HV];\n"
-"initial_state [N,HV,K,V]; cu_seqlens [N+1] (B == 1). scale=None: K**-0.5.");
+"initial_state [N,HV,K,V]; cu_seqlens [N+1] (B == 1). scale=None: K**-0.5.\n"
+"state [P,HV,K,V] with state_indices [N]: pool-indexed prefill (read and\n"
+"written in place; initial_state, final_state None). checkpoint_every (a\n"
+"multiple of 64): writes checkpoints [B*(T//n),HV,K,V] and cu_checkpoints\n"
+"[N+1] int64. state_layout \"vk\": every state [..,V,K]. Fused gates as in\n"
+"FLA: g holds a (g = -exp(A_log) softplus(a + dt_bias)), beta holds b\n"
+"(beta = sigmoid(b)).");
 
 static PyObject *fq_chunk_fwd(PyObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "g", "beta", "o", "scale", "initial_state", "final_state",
-                             "cu_seqlens", "use_qk_l2norm", "workspace", "stream", "num_threads", NULL};
+                             "cu_seqlens", "use_qk_l2norm", "state", "state_indices", "checkpoint_every",
+                             "checkpoints", "cu_checkpoints", "state_layout", "use_gate_in_kernel", "A_log",
+                             "dt_bias", "use_beta_sigmoid_in_kernel", "workspace", "stream", "num_threads",
+                             NULL};
     PyObject *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *o = NULL, *scale_obj = NULL;
     PyObject *h0 = NULL, *ht = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
+    PyObject *pool = NULL, *idx = NULL, *ck = NULL, *cuck = NULL, *layout = NULL, *alog = NULL, *dtb = NULL;
     PyObject *result = NULL;
     PyObject *nt_obj = NULL;
-    int l2 = 0, num_threads = 0;
+    int l2 = 0, num_threads = 0, use_gate = 0, use_sig = 0;
+    long long ck_every = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO|$OOOOpOOO:chunk_fwd", kwlist, &q, &k, &v, &g,
-                                     &beta, &o, &scale_obj, &h0, &ht, &cu, &l2, &ws, &stream,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO|$OOOOpOOLOOOpOOpOOO:chunk_fwd", kwlist, &q, &k, &v,
+                                     &g, &beta, &o, &scale_obj, &h0, &ht, &cu, &l2, &pool, &idx, &ck_every,
+                                     &ck, &cuck, &layout, &use_gate, &alog, &dtb, &use_sig, &ws, &stream,
                                      &nt_obj))
         return NULL;
-    enum { Q, K, V, G, BETA, O, SEQ, H0, HT, WS, NSLOT };
+    enum { Q, K, V, G, BETA, O, SEQ, IDX, H0, HT, POOL, CK, CUCK, ALOG, DTB, WS, NSLOT };
     fq_slot slots[NSLOT] = {
         {"q", FQ_QK, 0, 1, q, {0}},          {"k", FQ_QK, 0, 1, k, {0}},
         {"v", FQ_V, 0, 1, v, {0}},           {"g", FQ_GATE, 0, 1, g, {0}},
         {"beta", FQ_GATE, 0, 1, beta, {0}},  {"o", FQ_V, 1, 1, o, {0}},
-        {"cu_seqlens", FQ_SEQ, 0, 0, cu, {0}}, {"initial_state", FQ_STATE, 0, 0, h0, {0}},
-        {"final_state", FQ_STATE, 1, 0, ht, {0}}, {"workspace", FQ_WS, 1, 0, ws, {0}},
+        {"cu_seqlens", FQ_SEQ, 0, 0, cu, {0}}, {"state_indices", FQ_IDX, 0, 0, idx, {0}},
+        {"initial_state", FQ_STATE, 0, 0, h0, {0}}, {"final_state", FQ_STATE, 1, 0, ht, {0}},
+        {"state", FQ_POOL, 1, 0, pool, {0}}, {"checkpoints", FQ_CKPT, 1, 0, ck, {0}},
+        {"cu_checkpoints", FQ_CUCK, 1, 0, cuck, {0}}, {"A_log", FQ_PARAM, 0, 0, alog, {0}},
+        {"dt_bias", FQ_PARAM, 0, 0, dtb, {0}}, {"workspace", FQ_WS, 1, 0, ws, {0}},
     };
     fq_call c = {.slots = slots, .n = NSLOT};
     fq_gdn_params p;
@@ -134,6 +165,12 @@ static PyObject *fq_chunk_fwd(PyObject *self, PyObject *args, PyObject *kwds)
     int scale_default = 0;
     if (fq_parse_num_threads(nt_obj, &num_threads) < 0) return NULL;
     if (fq_parse_scale(scale_obj, "chunk_fwd", &scale, &scale_default) < 0) return NULL;
+    if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
+    c.ck_every = ck_every;
+    if (idx && idx != Py_None && (!pool || pool == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "state_indices: only with state (a pool-indexed forward)");
+        return NULL;
+    }
     if (fq_call_validate(&c, stream) < 0) goto fail;
     if (scale_default) scale = 1.0 / sqrt((double)c.K);
     fq_call_params(&c, &p, scale, l2, num_threads);
@@ -146,6 +183,11 @@ static PyObject *fq_chunk_fwd(PyObject *self, PyObject *args, PyObject *kwds)
     p.cu_seqlens = slots[SEQ].a.data;
     p.h0 = slots[H0].a.data;
     p.ht = slots[HT].a.data;
+    p.state = slots[POOL].a.data;
+    p.state_indices = slots[IDX].a.data;
+    p.checkpoints = slots[CK].a.data;
+    p.cu_checkpoints = slots[CUCK].a.data;
+    fq_set_gates(&p, use_gate, use_sig, &slots[ALOG], &slots[DTB]);
     if (fq_dispatch('f', &p, &c, &slots[WS]) < 0) goto fail;
     result = Py_NewRef(Py_None);
 fail:
@@ -156,29 +198,37 @@ fail:
 PyDoc_STRVAR(fq_chunk_bwd_doc,
 "chunk_bwd(q, k, v, g, beta, do, dq, dk, dv, dg, dbeta, *, scale,\n"
 "          initial_state=None, dfinal_state=None, dinitial_state=None,\n"
-"          cu_seqlens=None, use_qk_l2norm=False, workspace=None, stream=None,\n"
-"          num_threads=0) -> None\n\n"
+"          cu_seqlens=None, use_qk_l2norm=False, state_layout=\"kv\",\n"
+"          use_gate_in_kernel=False, A_log=None, dt_bias=None, dA_log=None,\n"
+"          ddt_bias=None, use_beta_sigmoid_in_kernel=False, workspace=None,\n"
+"          stream=None, num_threads=0) -> None\n\n"
 "Chunked backward: from do (and dfinal_state) writes dq, dk [B,T,H,K],\n"
 "dv [B,T,HV,V], dg, dbeta [B,T,HV] and, when initial_state is given,\n"
-"dinitial_state [N,HV,K,V] in place.");
+"dinitial_state [N,HV,K,V] in place. With fused gates dg, dbeta receive the\n"
+"gradients of the raw a, b, and dA_log, ddt_bias [HV] those of the gate\n"
+"parameters.");
 
 static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "g", "beta", "do", "dq", "dk", "dv", "dg", "dbeta", "scale",
                              "initial_state", "dfinal_state", "dinitial_state", "cu_seqlens",
-                             "use_qk_l2norm", "workspace", "stream", "num_threads", NULL};
+                             "use_qk_l2norm", "state_layout", "use_gate_in_kernel", "A_log", "dt_bias",
+                             "dA_log", "ddt_bias", "use_beta_sigmoid_in_kernel", "workspace", "stream",
+                             "num_threads", NULL};
     PyObject *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *dout = NULL;
     PyObject *dq = NULL, *dk = NULL, *dv = NULL, *dg = NULL, *dbeta = NULL, *scale_obj = NULL;
     PyObject *h0 = NULL, *dht = NULL, *dh0 = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
+    PyObject *layout = NULL, *alog = NULL, *dtb = NULL, *dalog = NULL, *ddtb = NULL;
     PyObject *result = NULL;
     PyObject *nt_obj = NULL;
-    int l2 = 0, num_threads = 0;
+    int l2 = 0, num_threads = 0, use_gate = 0, use_sig = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOOO|$OOOOOpOOO:chunk_bwd", kwlist, &q, &k, &v,
-                                     &g, &beta, &dout, &dq, &dk, &dv, &dg, &dbeta, &scale_obj, &h0, &dht,
-                                     &dh0, &cu, &l2, &ws, &stream, &nt_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOOO|$OOOOOpOpOOOOpOOO:chunk_bwd", kwlist, &q, &k,
+                                     &v, &g, &beta, &dout, &dq, &dk, &dv, &dg, &dbeta, &scale_obj, &h0,
+                                     &dht, &dh0, &cu, &l2, &layout, &use_gate, &alog, &dtb, &dalog, &ddtb,
+                                     &use_sig, &ws, &stream, &nt_obj))
         return NULL;
-    enum { Q, K, V, G, BETA, DO, DQ, DK, DV, DG, DBETA, SEQ, H0, DHT, DH0, WS, NSLOT };
+    enum { Q, K, V, G, BETA, DO, DQ, DK, DV, DG, DBETA, SEQ, H0, DHT, DH0, ALOG, DTB, DALOG, DDTB, WS, NSLOT };
     fq_slot slots[NSLOT] = {
         {"q", FQ_QK, 0, 1, q, {0}},           {"k", FQ_QK, 0, 1, k, {0}},
         {"v", FQ_V, 0, 1, v, {0}},            {"g", FQ_GATE, 0, 1, g, {0}},
@@ -187,7 +237,9 @@ static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
         {"dv", FQ_V, 1, 1, dv, {0}},          {"dg", FQ_GATE, 1, 1, dg, {0}},
         {"dbeta", FQ_GATE, 1, 1, dbeta, {0}}, {"cu_seqlens", FQ_SEQ, 0, 0, cu, {0}},
         {"initial_state", FQ_STATE, 0, 0, h0, {0}}, {"dfinal_state", FQ_STATE, 0, 0, dht, {0}},
-        {"dinitial_state", FQ_STATE, 1, 0, dh0, {0}}, {"workspace", FQ_WS, 1, 0, ws, {0}},
+        {"dinitial_state", FQ_STATE, 1, 0, dh0, {0}}, {"A_log", FQ_PARAM, 0, 0, alog, {0}},
+        {"dt_bias", FQ_PARAM, 0, 0, dtb, {0}}, {"dA_log", FQ_PARAM, 1, 0, dalog, {0}},
+        {"ddt_bias", FQ_PARAM, 1, 0, ddtb, {0}}, {"workspace", FQ_WS, 1, 0, ws, {0}},
     };
     fq_call c = {.slots = slots, .n = NSLOT};
     fq_gdn_params p;
@@ -195,6 +247,7 @@ static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
     int scale_default = 0;
     if (fq_parse_num_threads(nt_obj, &num_threads) < 0) return NULL;
     if (fq_parse_scale(scale_obj, "chunk_bwd", &scale, &scale_default) < 0) return NULL;
+    if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
     if (fq_call_validate(&c, stream) < 0) goto fail;
     if (slots[H0].a.t && !slots[DH0].a.t) {
         PyErr_SetString(PyExc_ValueError,
@@ -224,6 +277,9 @@ static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
     p.h0 = slots[H0].a.data;
     p.dht = slots[DHT].a.data;
     p.dh0 = slots[DH0].a.data;
+    fq_set_gates(&p, use_gate, use_sig, &slots[ALOG], &slots[DTB]);
+    p.dA_log = slots[DALOG].a.data;
+    p.ddt_bias = slots[DDTB].a.data;
     if (fq_dispatch('b', &p, &c, &slots[WS]) < 0) goto fail;
     result = Py_NewRef(Py_None);
 fail:
@@ -233,32 +289,41 @@ fail:
 
 PyDoc_STRVAR(fq_recurrent_doc,
 "recurrent(q, k, v, g, beta, state, o, *, scale, state_indices=None,\n"
-"          cu_seqlens=None, use_qk_l2norm=False, workspace=None, stream=None,\n"
-"          num_threads=0) -> None\n\n"
+"          cu_seqlens=None, use_qk_l2norm=False, intermediate_states=None,\n"
+"          update_state=True, state_layout=\"kv\", use_gate_in_kernel=False,\n"
+"          A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,\n"
+"          workspace=None, stream=None, num_threads=0) -> None\n\n"
 "Recurrent steps (decoding): updates the state pool [P,HV,K,V] in place and\n"
-"writes o. state_indices [N] picks each sequence's slot (< 0: padding).");
+"writes o. state_indices [N] picks each sequence's slot (< 0: padding).\n"
+"intermediate_states [N,Ti,HV,K,V] gets the state after each token;\n"
+"update_state=False leaves the pool untouched (speculative verify).");
 
 static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"q", "k", "v", "g", "beta", "state", "o", "scale", "state_indices",
-                             "cu_seqlens", "use_qk_l2norm", "workspace", "stream", "num_threads", NULL};
+                             "cu_seqlens", "use_qk_l2norm", "intermediate_states", "update_state",
+                             "state_layout", "use_gate_in_kernel", "A_log", "dt_bias",
+                             "use_beta_sigmoid_in_kernel", "workspace", "stream", "num_threads", NULL};
     PyObject *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *state = NULL, *o = NULL;
     PyObject *scale_obj = NULL, *idx = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
+    PyObject *inter = NULL, *layout = NULL, *alog = NULL, *dtb = NULL;
     PyObject *result = NULL;
     PyObject *nt_obj = NULL;
-    int l2 = 0, num_threads = 0;
+    int l2 = 0, num_threads = 0, update = 1, use_gate = 0, use_sig = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|$OOOpOOO:recurrent", kwlist, &q, &k, &v, &g,
-                                     &beta, &state, &o, &scale_obj, &idx, &cu, &l2, &ws, &stream,
-                                     &nt_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|$OOOpOpOpOOpOOO:recurrent", kwlist, &q, &k, &v, &g,
+                                     &beta, &state, &o, &scale_obj, &idx, &cu, &l2, &inter, &update, &layout,
+                                     &use_gate, &alog, &dtb, &use_sig, &ws, &stream, &nt_obj))
         return NULL;
-    enum { Q, K, V, G, BETA, O, SEQ, IDX, STATE, WS, NSLOT };
+    enum { Q, K, V, G, BETA, O, SEQ, IDX, STATE, INTER, ALOG, DTB, WS, NSLOT };
     fq_slot slots[NSLOT] = {
         {"q", FQ_QK, 0, 1, q, {0}},         {"k", FQ_QK, 0, 1, k, {0}},
         {"v", FQ_V, 0, 1, v, {0}},          {"g", FQ_GATE, 0, 1, g, {0}},
         {"beta", FQ_GATE, 0, 1, beta, {0}}, {"o", FQ_V, 1, 1, o, {0}},
         {"cu_seqlens", FQ_SEQ, 0, 0, cu, {0}}, {"state_indices", FQ_IDX, 0, 0, idx, {0}},
-        {"state", FQ_POOL, 1, 1, state, {0}}, {"workspace", FQ_WS, 1, 0, ws, {0}},
+        {"state", FQ_POOL, update, 1, state, {0}}, {"intermediate_states", FQ_INTER, 1, 0, inter, {0}},
+        {"A_log", FQ_PARAM, 0, 0, alog, {0}}, {"dt_bias", FQ_PARAM, 0, 0, dtb, {0}},
+        {"workspace", FQ_WS, 1, 0, ws, {0}},
     };
     fq_call c = {.slots = slots, .n = NSLOT};
     fq_gdn_params p;
@@ -266,6 +331,7 @@ static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
     int scale_default = 0;
     if (fq_parse_num_threads(nt_obj, &num_threads) < 0) return NULL;
     if (fq_parse_scale(scale_obj, "recurrent", &scale, &scale_default) < 0) return NULL;
+    if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
     if (fq_call_validate(&c, stream) < 0) goto fail;
     if (scale_default) scale = 1.0 / sqrt((double)c.K);
     fq_call_params(&c, &p, scale, l2, num_threads);
@@ -278,7 +344,53 @@ static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
     p.cu_seqlens = slots[SEQ].a.data;
     p.state_indices = slots[IDX].a.data;
     p.state = slots[STATE].a.data;
+    p.intermediate_states = slots[INTER].a.data;
+    p.no_state_update = !update;
+    fq_set_gates(&p, use_gate, use_sig, &slots[ALOG], &slots[DTB]);
     if (fq_dispatch('r', &p, &c, &slots[WS]) < 0) goto fail;
+    result = Py_NewRef(Py_None);
+fail:
+    fq_call_release(&c);
+    return result;
+}
+
+PyDoc_STRVAR(fq_commit_doc,
+"commit(state, intermediate_states, num_accepted, *, state_indices=None,\n"
+"       state_layout=\"kv\", stream=None) -> None\n\n"
+"After a verify step: state[state_indices[n]] = intermediate_states[n,\n"
+"num_accepted[n] - 1] for every n with a slot >= 0 and num_accepted[n] > 0.\n"
+"state [P,HV,K,V]; intermediate_states [N,Ti,HV,K,V]; num_accepted,\n"
+"state_indices [N] int32/int64.");
+
+static PyObject *fq_commit(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"state", "intermediate_states", "num_accepted", "state_indices", "state_layout",
+                             "stream", NULL};
+    PyObject *state = NULL, *inter = NULL, *acc = NULL, *idx = NULL, *layout = NULL, *stream = NULL;
+    PyObject *result = NULL;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOO:commit", kwlist, &state, &inter, &acc, &idx, &layout,
+                                     &stream))
+        return NULL;
+    /* the pool first (it gives the device, HV, K, V), then the buffer (N, Ti) */
+    enum { STATE, INTER, IDX, ACC, NSLOT };
+    fq_slot slots[NSLOT] = {
+        {"state", FQ_POOL, 1, 1, state, {0}},
+        {"intermediate_states", FQ_INTER, 0, 1, inter, {0}},
+        {"state_indices", FQ_IDX, 0, 0, idx, {0}},
+        {"num_accepted", FQ_ACC, 0, 1, acc, {0}},
+    };
+    fq_call c = {.slots = slots, .n = NSLOT};
+    c.dtype = FQ_F64; /* no q: float64 states are allowed (the CPU backend) */
+    fq_gdn_params p;
+    if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
+    if (fq_call_validate(&c, stream) < 0) goto fail;
+    fq_call_params(&c, &p, 1.0, 0, 0);
+    p.state = slots[STATE].a.data;
+    p.intermediate_states = slots[INTER].a.data;
+    p.state_indices = slots[IDX].a.data;
+    p.num_accepted = slots[ACC].a.data;
+    if (fq_dispatch('c', &p, &c, NULL) < 0) goto fail;
     result = Py_NewRef(Py_None);
 fail:
     fq_call_release(&c);
@@ -435,6 +547,7 @@ static PyMethodDef fq_methods[] = {
     {"chunk_fwd", (PyCFunction)(void (*)(void))fq_chunk_fwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_fwd_doc},
     {"chunk_bwd", (PyCFunction)(void (*)(void))fq_chunk_bwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_bwd_doc},
     {"recurrent", (PyCFunction)(void (*)(void))fq_recurrent, METH_VARARGS | METH_KEYWORDS, fq_recurrent_doc},
+    {"commit", (PyCFunction)(void (*)(void))fq_commit, METH_VARARGS | METH_KEYWORDS, fq_commit_doc},
     {"workspace_bytes", (PyCFunction)(void (*)(void))fq_workspace_bytes, METH_VARARGS | METH_KEYWORDS,
      fq_workspace_bytes_doc},
     {"dlpack_info", fq_dlpack_info, METH_O,

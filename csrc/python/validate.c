@@ -114,8 +114,8 @@ static int fq_stage_import(fq_call *c)
 static int fq_stage_dtype(fq_call *c)
 {
     char got[64];
-    int have_gate = 0, have_state = 0;
-    const char *gate_first = NULL, *state_first = NULL;
+    int have_gate = 0, have_state = 0, have_param = 0;
+    const char *gate_first = NULL, *state_first = NULL, *param_first = NULL;
     for (int i = 0; i < c->n; i++) {
         fq_slot *s = &c->slots[i];
         if (!s->a.t) continue;
@@ -157,8 +157,33 @@ static int fq_stage_dtype(fq_call *c)
                 return -1;
             }
             break;
+        case FQ_PARAM:
+            if (!have_param) {
+                if (!fq_float_dtype(t, &d) || !(d == FQ_F32 || (d == FQ_F64 && c->dtype == FQ_F64))) {
+                    PyErr_Format(PyExc_TypeError,
+                                 "%s: expected dtype float32 (float64 only with float64 inputs), got %s",
+                                 s->name, got);
+                    return -1;
+                }
+                c->param_dtype = d;
+                have_param = 1;
+                param_first = s->name;
+            } else if (!fq_float_dtype(t, &d) || d != c->param_dtype) {
+                PyErr_Format(PyExc_TypeError, "%s: expected dtype %s like %s, got %s", s->name,
+                             fq_dtype_name(c->param_dtype), param_first, got);
+                return -1;
+            }
+            break;
+        case FQ_CUCK:
+            if (t.code != kDLInt || t.bits != 64 || t.lanes != 1) {
+                PyErr_Format(PyExc_TypeError, "%s: expected dtype int64, got %s", s->name, got);
+                return -1;
+            }
+            break;
         case FQ_STATE:
         case FQ_POOL:
+        case FQ_INTER:
+        case FQ_CKPT:
             if (!have_state) {
                 int ok = fq_float_dtype(t, &d) && (d == FQ_F32 || (d == FQ_F64 && c->dtype == FQ_F64));
                 if (!ok) {
@@ -182,14 +207,16 @@ static int fq_stage_dtype(fq_call *c)
             }
             break;
         case FQ_SEQ:
-        case FQ_IDX: {
+        case FQ_IDX:
+        case FQ_ACC: {
             int is64 = 0;
             if (!fq_is_int_dtype(t, &is64)) {
                 PyErr_Format(PyExc_TypeError, "%s: expected dtype int32 or int64, got %s", s->name, got);
                 return -1;
             }
             if (s->kind == FQ_SEQ) c->seq_int64 = is64;
-            else c->idx_int64 = is64;
+            else if (s->kind == FQ_IDX) c->idx_int64 = is64;
+            else c->acc_int64 = is64;
             break;
         }
         case FQ_WS:
@@ -343,33 +370,80 @@ static int fq_stage_shape(fq_call *c)
             }
             c->N = t->shape[0] - 1;
             break;
-        case FQ_IDX: {
+        case FQ_IDX:
+        case FQ_ACC: {
             int64_t dims[1] = {c->N};
             if (!fq_shape_is(t, 1, dims)) {
-                PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([N], one slot per sequence), got %s",
+                PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([N], one %s per sequence), got %s",
+                             s->name, fq_dims_str(1, dims, want, sizeof want),
+                             s->kind == FQ_IDX ? "slot" : "count", got);
+                return -1;
+            }
+            break;
+        }
+        case FQ_CUCK: {
+            int64_t dims[1] = {c->N + 1};
+            if (!fq_shape_is(t, 1, dims)) {
+                PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([N + 1]), got %s", s->name,
+                             fq_dims_str(1, dims, want, sizeof want), got);
+                return -1;
+            }
+            break;
+        }
+        case FQ_PARAM: {
+            int64_t dims[1] = {c->HV};
+            if (!fq_shape_is(t, 1, dims)) {
+                PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([HV], one per value head), got %s",
                              s->name, fq_dims_str(1, dims, want, sizeof want), got);
                 return -1;
             }
             break;
         }
-        case FQ_STATE: {
-            int64_t dims[4] = {c->N, c->HV, c->K, c->V};
+        case FQ_STATE:
+        case FQ_CKPT: {
+            const int64_t lead = s->kind == FQ_STATE ? c->N : (c->ck_every > 0 ? c->B * (c->T / c->ck_every) : 0);
+            int64_t dims[4] = {lead, c->HV, c->vk ? c->V : c->K, c->vk ? c->K : c->V};
             if (!fq_shape_is(t, 4, dims)) {
-                PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([N, HV, K, V]), got %s", s->name,
-                             fq_dims_str(4, dims, want, sizeof want), got);
+                PyErr_Format(PyExc_ValueError, "%s: expected shape %s (%s), got %s", s->name,
+                             fq_dims_str(4, dims, want, sizeof want),
+                             s->kind == FQ_STATE ? (c->vk ? "[N, HV, V, K]" : "[N, HV, K, V]")
+                                                 : (c->vk ? "[B * (T / checkpoint_every), HV, V, K]"
+                                                          : "[B * (T / checkpoint_every), HV, K, V]"),
+                             got);
                 return -1;
             }
             break;
         }
-        case FQ_POOL:
-            if (t->ndim != 4 || t->shape[0] < 1 || t->shape[1] != c->HV || t->shape[2] != c->K ||
-                t->shape[3] != c->V) {
+        case FQ_INTER:
+            if (t->ndim != 5 || t->shape[1] < 1 || (c->B > 0 && t->shape[0] != c->N) ||
+                t->shape[2] != c->HV || t->shape[3] != (c->vk ? c->V : c->K) ||
+                t->shape[4] != (c->vk ? c->K : c->V)) {
                 PyErr_Format(PyExc_ValueError,
-                             "%s: expected shape [P, %lld, %lld, %lld] ([P, HV, K, V], P >= 1), got %s",
-                             s->name, (long long)c->HV, (long long)c->K, (long long)c->V, got);
+                             "%s: expected shape [N, Ti, %lld, %lld, %lld] (%s, Ti >= 1), got %s", s->name,
+                             (long long)c->HV, (long long)(c->vk ? c->V : c->K),
+                             (long long)(c->vk ? c->K : c->V),
+                             c->vk ? "[N, Ti, HV, V, K]" : "[N, Ti, HV, K, V]", got);
+                return -1;
+            }
+            if (c->B == 0) c->N = t->shape[0]; /* commit: N from here */
+            c->Ti = t->shape[1];
+            break;
+        case FQ_POOL:
+            if (c->HV == 0 && t->ndim == 4) { /* commit: HV, K, V from the pool */
+                c->HV = t->shape[1];
+                c->K = c->vk ? t->shape[3] : t->shape[2];
+                c->V = c->vk ? t->shape[2] : t->shape[3];
+            }
+            if (t->ndim != 4 || t->shape[0] < 1 || t->shape[1] != c->HV ||
+                t->shape[2] != (c->vk ? c->V : c->K) || t->shape[3] != (c->vk ? c->K : c->V)) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: expected shape [P, %lld, %lld, %lld] (%s, P >= 1), got %s", s->name,
+                             (long long)c->HV, (long long)(c->vk ? c->V : c->K), (long long)(c->vk ? c->K : c->V),
+                             c->vk ? "[P, HV, V, K]" : "[P, HV, K, V]", got);
                 return -1;
             }
             c->P = t->shape[0];
+            if (c->B == 0) break; /* commit: N is known only after intermediate_states */
             if (!have_idx && c->P != c->N) {
                 PyErr_Format(PyExc_ValueError,
                              "%s: without state_indices the pool must have N=%lld slots, got shape %s",
@@ -453,6 +527,22 @@ int fq_call_validate(fq_call *c, PyObject *stream)
     return 0;
 }
 
+int fq_parse_layout(PyObject *obj, int *vk)
+{
+    *vk = 0;
+    if (!obj || obj == Py_None) return 0;
+    if (PyUnicode_Check(obj)) {
+        if (PyUnicode_CompareWithASCIIString(obj, "kv") == 0) return 0;
+        if (PyUnicode_CompareWithASCIIString(obj, "vk") == 0) {
+            *vk = 1;
+            return 0;
+        }
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "state_layout: expected \"kv\" (states [.., K, V]) or \"vk\" ([.., V, K]), got %R", obj);
+    return -1;
+}
+
 /* scale is a required keyword; None means the usual K^-1/2 (*use_default),
  * resolved once K is known. Checked before any array is imported. */
 int fq_parse_scale(PyObject *obj, const char *fn, double *scale, int *use_default)
@@ -503,6 +593,11 @@ void fq_call_params(const fq_call *c, fq_gdn_params *p, double scale, int use_qk
     p->use_qk_l2norm = use_qk_l2norm;
     p->cu_seqlens_is_int64 = c->seq_int64;
     p->state_indices_is_int64 = c->idx_int64;
+    p->num_accepted_is_int64 = c->acc_int64;
+    p->state_vk = c->vk;
+    p->checkpoint_every = c->ck_every;
+    p->Ti = c->Ti;
+    p->gate_param_dtype = c->param_dtype;
     p->num_threads = num_threads;
     p->stream = c->stream;
     p->device = c->device.device_type == kDLCUDA ? (int)c->device.device_id : 0;

@@ -13,9 +13,19 @@ enum {
     FQ_SEQ,   /* cu_seqlens [N + 1], int32/int64 (B == 1)               */
     FQ_IDX,   /* state_indices [N], int32/int64                          */
     FQ_STATE, /* [N, HV, K, V] float32 (float64 with float64 inputs)    */
-    FQ_POOL,  /* recurrent pool [P, HV, K, V], state dtype               */
+    FQ_POOL,  /* state pool [P, HV, K, V], state dtype (defines HV, K, V
+                 when nothing before it did: the commit)                  */
+    FQ_INTER, /* intermediate_states [N, Ti, HV, K, V], state dtype (defines
+                 N when nothing before it did: the commit)                */
+    FQ_CKPT,  /* checkpoints [B * (T / checkpoint_every), HV, K, V], state dtype */
+    FQ_CUCK,  /* cu_checkpoints [N + 1], int64                           */
+    FQ_ACC,   /* num_accepted [N], int32/int64                           */
+    FQ_PARAM, /* A_log, dt_bias and their gradients [HV], float32 (float64
+                 with float64 inputs); all alike                          */
     FQ_WS     /* workspace, uint8 CUDA scratch (ignored for CPU calls)  */
 };
+/* Every state kind (FQ_STATE, FQ_POOL, FQ_INTER, FQ_CKPT) ends in [K, V], or
+ * [V, K] when the call's state_layout is "vk" (fq_call.vk). */
 
 typedef struct {
     const char *name;
@@ -37,6 +47,11 @@ typedef struct {
     fq_dtype dtype, gate_dtype, state_dtype;
     int64_t B, T, H, HV, K, V, N, P;
     int seq_int64, idx_int64;
+    int vk;                   /* set before validation: state_layout "vk"     */
+    int64_t ck_every;         /* set before validation: checkpoint_every      */
+    int64_t Ti;               /* intermediate_states' tokens per sequence     */
+    fq_dtype param_dtype;     /* A_log, dt_bias, dA_log, ddt_bias             */
+    int acc_int64;            /* num_accepted                                 */
 } fq_call;
 
 /* Imports every slot of `c` and checks them all; `stream` is the call's
@@ -52,5 +67,7 @@ void fq_call_params(const fq_call *c, fq_gdn_params *p, double scale, int use_qk
 /* scale is a required keyword; None means the usual K^-1/2 (*use_default),
  * resolved once K is known. Checked before any array is imported. */
 int fq_parse_scale(PyObject *obj, const char *fn, double *scale, int *use_default);
+/* state_layout: None or "kv" -> 0, "vk" -> 1; anything else ValueError. */
+int fq_parse_layout(PyObject *obj, int *vk);
 
 #endif /* FQ_PY_VALIDATE_H */

@@ -56,7 +56,8 @@ NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -Icsrc/cuda -Idev/cuda 
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
 for f in dev/cuda/check_fwd.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu csrc/cuda/gdn_cuda_fwd_state.cu \
-         csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_fwd_fused.cu csrc/cuda/gdn_cuda_recurrent.cu csrc/cuda/gdn_cuda_runtime.cu; do
+         csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_fwd_fused.cu csrc/cuda/gdn_cuda_recurrent.cu csrc/cuda/gdn_cuda_runtime.cu \
+         csrc/cuda/gdn_cuda_gates.cu csrc/cuda/gdn_cuda_fwd_checkpoints.cu csrc/cuda/gdn_cuda_commit.cu; do
   $NV -Xptxas -v -c $f -o $B/$(basename $f .cu).o > $B/$(basename $f .cu).log 2>&1 &
   pids="$pids $!"
 done
@@ -69,7 +70,8 @@ for f in $B/gdn_cuda_fwd_wy.log $B/gdn_cuda_fwd_state.log $B/gdn_cuda_fwd_output
 done
 [ $fail = 0 ] || { cat $B/*.log | grep -B2 -A5 error | head -60; exit 1; }
 $NV -o $B/check_fwd $B/check_fwd.o $B/gdn_cuda_fwd.o $B/gdn_cuda_fwd_wy.o $B/gdn_cuda_fwd_state.o \
-    $B/gdn_cuda_fwd_output.o $B/gdn_cuda_fwd_fused.o $B/gdn_cuda_recurrent.o $B/gdn_cuda_runtime.o $B/gdn_common.o || exit 1
+    $B/gdn_cuda_fwd_output.o $B/gdn_cuda_fwd_fused.o $B/gdn_cuda_recurrent.o $B/gdn_cuda_runtime.o \
+    $B/gdn_cuda_gates.o $B/gdn_cuda_fwd_checkpoints.o $B/gdn_cuda_commit.o $B/gdn_common.o || exit 1
 [ "$MODE" = build ] && exit 0
 [ "$MODE" = ab ] && exec bash "$0" ab
 echo "=== full check + timings"
