@@ -65,7 +65,7 @@ int fq_cpu_resolve_threads(int64_t n_items, int num_threads);
  * more threads than leave every thread FQ_CPU_MIN_BYTES_PER_THREAD (a few
  * microseconds of work, more than waking a parked worker costs), so that a
  * small call never gets slower with more threads. */
-#define FQ_CPU_MIN_BYTES_PER_THREAD (256 * 1024)
+#define FQ_CPU_MIN_BYTES_PER_THREAD (1024 * 1024)
 int fq_cpu_resolve_threads_for_bytes(int64_t n_items, int num_threads, double item_bytes);
 
 /* -------------------------------------------------- dtype conversions ---- */
