@@ -65,7 +65,7 @@ int fq_cpu_resolve_threads(int64_t n_items, int num_threads);
  * more threads than leave every thread FQ_CPU_MIN_BYTES_PER_THREAD (a few
  * microseconds of work, more than waking a parked worker costs), so that a
  * small call never gets slower with more threads. */
-#define FQ_CPU_MIN_BYTES_PER_THREAD (256 * 1024)
+#define FQ_CPU_MIN_BYTES_PER_THREAD (1024 * 1024)
 int fq_cpu_resolve_threads_for_bytes(int64_t n_items, int num_threads, double item_bytes);
 
 /* -------------------------------------------------- dtype conversions ---- */
@@ -348,8 +348,9 @@ static inline float fq_cpu_expf(float x)
 
 /* The float (F32/F16/BF16 input) kernels of one instruction set. Each
  * gdn_cpu_kernels_<isa>.c defines one table from the same sources (the
- * forward and recurrent bodies gdn_cpu_fwd_impl.h / gdn_cpu_recurrent_impl.h,
- * the micro-kernels and tile loads of gdn_cpu_kernels.h) compiled for its
+ * forward, recurrent and backward bodies gdn_cpu_fwd_impl.h,
+ * gdn_cpu_recurrent_impl.h, gdn_cpu_bwd_impl.h, the micro-kernels and tile
+ * loads of gdn_cpu_kernels.h) compiled for its
  * instruction set; the x86 ones carry a target pragma, so the rest of the
  * library stays baseline x86-64. F64 inputs run the baseline double code. */
 typedef struct {
@@ -364,6 +365,8 @@ typedef struct {
      * bit-identical results; F16/BF16 converted a vector at a time) */
     void (*load_row)(float *dst, const void *base, fq_dtype dt, int64_t offset, int64_t n);
     void (*store_row)(void *base, fq_dtype dt, int64_t offset, const float *src, int64_t n);
+    /* the whole float backward (gdn_cpu_bwd_impl.h's chunk_bwd_run) */
+    fq_status (*bwd_run)(const fq_gdn_params *p, const int64_t *order, int64_t Tmax);
 } fq_cpu_kernels;
 
 /* NULL where the build has no such set (NEON off AArch64, the x86 sets off
@@ -380,7 +383,8 @@ fq_status fq_cpu_kernels_get(const fq_cpu_kernels **out);
 
 /* ------------------------------------------------ work-item contexts ---- */
 
-#define FQ_CHUNK 64 /* tokens per chunk of the chunked forward */
+#define FQ_CHUNK 64     /* tokens per chunk of the chunked forward  */
+#define FQ_BWD_CHUNK 64 /* tokens per chunk of the chunked backward */
 
 typedef struct {
     const fq_gdn_params *p;

@@ -7,8 +7,9 @@
  * forward: per (sequence, value head) a forward pass over the chunks stores
  * each chunk's start state S (and Vn), then a reverse pass carries dS from
  * dht to dh0.
- * F32/F16/BF16 inputs are computed in float, F64 in double (the body is
- * gdn_cpu_bwd_impl.h, included once per real type).
+ * F32/F16/BF16 inputs are computed in float on the active kernel set (the
+ * body gdn_cpu_bwd_impl.h compiled per instruction set in
+ * gdn_cpu_kernels_<isa>.c), F64 in double (the same body instantiated here).
  *
  * ---------------------------------------------------------------------------
  * The per-chunk equations, as implemented (checked in float64 against the
@@ -104,49 +105,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define FQ_BWD_CHUNK 64
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* dst[j][i] = src[i][j] for a 16 x 16 float block, in registers: pairs of
- * rows interleaved (unpack), then 2 x 2, 4 x 4 and 8 x 8 blocks swapped. */
-static inline void fq_bwd_transpose16_f32(float *dst, int64_t ldd, const float *src, int64_t lds)
-{
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int l = 0; l < 4; l++) {
-            t[i + l] = _mm512_shuffle_f32x4(r[i + l], r[i + l + 4], 0x88);
-            t[i + l + 4] = _mm512_shuffle_f32x4(r[i + l], r[i + l + 4], 0xDD);
-        }
-    for (int l = 0; l < 8; l++) {
-        r[l] = _mm512_shuffle_f32x4(t[l], t[l + 8], 0x88);
-        r[l + 8] = _mm512_shuffle_f32x4(t[l], t[l + 8], 0xDD);
-    }
-    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);
-}
-#define FQ_BWD_HAVE_TRANSPOSE16_F32 1
-#endif
-
-#define REAL float
-#define FQ_SFX f32
-#define FQ_EXP fq_cpu_expf
-#define FQ_BWD_REAL_IS_F32 1
-#include "gdn_cpu_bwd_impl.h"
-#undef REAL
-#undef FQ_SFX
-#undef FQ_BWD_REAL_IS_F32
-
 #define REAL double
 #define FQ_SFX f64
 #define FQ_EXP exp
@@ -168,6 +126,9 @@ static int seq_len_desc(const void *a, const void *b)
 fq_status fq_cpu_chunk_bwd(const fq_gdn_params *p)
 {
     fq_status st = fq_check_params(p, 'b');
+    if (st != FQ_OK) return st;
+    const fq_cpu_kernels *kern;
+    st = fq_cpu_kernels_get(&kern);
     if (st != FQ_OK) return st;
 
     /* sequences, longest first, so that the last items handed out are short */
@@ -193,7 +154,7 @@ fq_status fq_cpu_chunk_bwd(const fq_gdn_params *p)
     free(sl);
 
     if (p->dtype == FQ_F64) st = chunk_bwd_run_f64(p, order, Tmax);
-    else st = chunk_bwd_run_f32(p, order, Tmax);
+    else st = kern->bwd_run(p, order, Tmax);
     free(order);
     return st;
 }

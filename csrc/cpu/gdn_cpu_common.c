@@ -16,14 +16,18 @@
 
 /* ------------------------------------------------------- parallel-for ---- */
 
-/* One job at a time runs on the pool: the caller publishes it (under
+/* One job at a time runs on the pool. The caller publishes it (under
  * park_mu: the job, its thread count, a new generation), works on it as
- * thread 0, and waits until the other nt-1 threads have finished their share.
- * Workers 1..n_workers wait for a new generation, first spinning for
- * FQ_POOL_SPIN_NS (back-to-back calls, e.g. one per layer of a decode step,
- * find them awake), then on park_cv. A worker with id >= the job's thread
- * count goes back to waiting. Everything here is static: a worker can never
- * touch freed memory, and workers are never joined (they end with the
+ * thread 0, then closes it (under park_mu: no worker can join any more) and
+ * waits only for the workers that joined while it was open. A worker joins
+ * (under park_mu, counted in `active`) when it sees the new generation with
+ * the job still open and its id below the job's thread count, takes items
+ * from the job's counter, and leaves. So a worker that wakes late (asleep, or
+ * its core busy with another process) costs the call nothing: the caller has
+ * done its items. Workers 1..n_workers wait for a new generation, spinning
+ * for FQ_POOL_SPIN_NS after a job they worked on (back-to-back calls find
+ * them awake), then on park_cv. Everything here is static: a worker never
+ * touches freed memory, and workers are never joined (they end with the
  * process). */
 #define FQ_POOL_SPIN_NS 50000
 
@@ -36,14 +40,14 @@ typedef struct {
 
 static struct {
     pthread_mutex_t lock;    /* held by a caller for the whole of its job */
-    pthread_mutex_t park_mu; /* guards job, job_nt, sleepers; with park_cv, done_cv */
+    pthread_mutex_t park_mu; /* guards job, job_nt, active's joins; with park_cv, done_cv */
     pthread_cond_t park_cv;  /* workers wait for a new generation */
-    pthread_cond_t done_cv;  /* the caller waits for pending == 0 */
-    fq_pfor_job *job;        /* the current job (the caller's stack) */
+    pthread_cond_t done_cv;  /* the caller waits for active == 0 */
+    fq_pfor_job *job;        /* the open job (the caller's stack), NULL once closed */
     int job_nt;              /* threads on it, the caller (thread 0) included */
     int n_workers;           /* workers created so far: ids 1..n_workers */
     atomic_uint generation;  /* bumped once per job */
-    atomic_int pending;      /* workers of the current job still running */
+    atomic_int active;       /* workers that joined the current job and have not left */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0};
 
@@ -114,15 +118,16 @@ static void *pool_worker_main(void *arg)
         pthread_mutex_lock(&pool.park_mu);
         while (atomic_load_explicit(&pool.generation, memory_order_relaxed) == seen)
             pthread_cond_wait(&pool.park_cv, &pool.park_mu);
-        /* generation, job and job_nt are read together under park_mu */
+        /* generation and job are read, and the join made, under park_mu */
         seen = atomic_load_explicit(&pool.generation, memory_order_relaxed);
         fq_pfor_job *job = pool.job;
-        took_part = id < pool.job_nt;
+        took_part = job != NULL && id < pool.job_nt;
+        if (took_part) atomic_fetch_add_explicit(&pool.active, 1, memory_order_relaxed);
         pthread_mutex_unlock(&pool.park_mu);
         if (!took_part) continue;
         pfor_run(job, id);
-        /* the job is the caller's: after the decrement it may be gone */
-        if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1) {
+        /* the job is the caller's: after leaving it may be gone */
+        if (atomic_fetch_sub_explicit(&pool.active, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&pool.park_mu);
             pthread_cond_signal(&pool.done_cv);
             pthread_mutex_unlock(&pool.park_mu);
@@ -145,7 +150,7 @@ static void pool_atfork_child(void)
     pool.job = NULL;
     pool.job_nt = 0;
     pool.n_workers = 0;
-    atomic_store(&pool.pending, 0);
+    atomic_store(&pool.active, 0);
 }
 static void pool_register_atfork(void)
 {
@@ -210,21 +215,25 @@ fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
 
     pthread_mutex_lock(&pool.lock);
     nt = pool_grow(nt);
-    if (nt > 1) {
+    if (nt > 1) { /* open */
         pthread_mutex_lock(&pool.park_mu);
         pool.job = &job;
         pool.job_nt = nt;
-        atomic_store_explicit(&pool.pending, nt - 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
         pthread_cond_broadcast(&pool.park_cv);
         pthread_mutex_unlock(&pool.park_mu);
     }
     pfor_run(&job, 0); /* the caller works too */
-    if (nt > 1 && !pool_spin_while_nonzero(&pool.pending)) {
+    if (nt > 1) { /* close, then wait for the workers that joined */
         pthread_mutex_lock(&pool.park_mu);
-        while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0)
-            pthread_cond_wait(&pool.done_cv, &pool.park_mu);
+        pool.job = NULL;
         pthread_mutex_unlock(&pool.park_mu);
+        if (!pool_spin_while_nonzero(&pool.active)) {
+            pthread_mutex_lock(&pool.park_mu);
+            while (atomic_load_explicit(&pool.active, memory_order_acquire) != 0)
+                pthread_cond_wait(&pool.done_cv, &pool.park_mu);
+            pthread_mutex_unlock(&pool.park_mu);
+        }
     }
     pthread_mutex_unlock(&pool.lock);
     return FQ_OK;

@@ -34,6 +34,9 @@
 #error "gdn_cpu_kernels.h is included by a gdn_cpu_kernels_<isa>.c after its vector operations"
 #endif
 
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define FQ_KCAT_(a, b) a##_##b
@@ -282,7 +285,7 @@ static int64_t FQ_K(rec_blocks)(float *S, int64_t K, int64_t V, int64_t nt, cons
     return c0;
 }
 
-/* ------------------------------------ the forward and the recurrent step ---- */
+/* ---------------------- the forward, the recurrent step, the backward ---- */
 
 #define REAL float
 #define FQ_SFX(name) FQ_KCAT(name##_f32, FQ_ISA)
@@ -296,21 +299,55 @@ static int64_t FQ_K(rec_blocks)(float *S, int64_t K, int64_t V, int64_t nt, cons
 #define FQ_REC_VEC_BLOCKS FQ_K(rec_blocks)
 #include "gdn_cpu_recurrent_impl.h"
 #undef FQ_REC_VEC_BLOCKS
-
-static const fq_cpu_kernels FQ_K(table) = {
-    FQ_ISA_NAME,
-    FQ_SFX(fwd_scratch_elems), FQ_SFX(fwd_item),
-    FQ_SFX(rec_scratch_elems), FQ_SFX(rec_item),
-    FQ_K(gemm),
-    FQ_K(load_row), FQ_K(store_row),
-};
-const fq_cpu_kernels *const FQ_KCAT(fq_cpu_kernels, FQ_ISA) = &FQ_K(table);
-
-#undef REAL
 #undef FQ_SFX
 #undef FQ_LOAD
 #undef FQ_STORE
 #undef FQ_GEMM
 #undef FQ_TRMM_LOWER
-#undef FQ_EXP
 #undef FQ_L2NORM
+
+/* gdn_cpu_bwd_impl.h names its helpers from the token FQ_SFX
+ * (fq_cpu_load_<sfx>, ...): here aliases of this set's kernels */
+#define FQ_SFX FQ_KCAT(f32, FQ_ISA)
+#define fq_cpu_load_f32_avx512 load_row_avx512
+#define fq_cpu_load_f32_avx2 load_row_avx2
+#define fq_cpu_load_f32_neon load_row_neon
+#define fq_cpu_load_f32_scalar load_row_scalar
+#define fq_cpu_store_f32_avx512 store_row_avx512
+#define fq_cpu_store_f32_avx2 store_row_avx2
+#define fq_cpu_store_f32_neon store_row_neon
+#define fq_cpu_store_f32_scalar store_row_scalar
+#define fq_cpu_gemm_f32_avx512 gemm_avx512
+#define fq_cpu_gemm_f32_avx2 gemm_avx2
+#define fq_cpu_gemm_f32_neon gemm_neon
+#define fq_cpu_gemm_f32_scalar gemm_scalar
+/* the L2 norm with the sequential sum its l2_inv repeats; the triangular
+ * products (their off-diagonal blocks: this set's GEMM) */
+#define fq_cpu_l2norm_f32_avx512 fq_cpu_l2norm_f32
+#define fq_cpu_l2norm_f32_avx2 fq_cpu_l2norm_f32
+#define fq_cpu_l2norm_f32_neon fq_cpu_l2norm_f32
+#define fq_cpu_l2norm_f32_scalar fq_cpu_l2norm_f32
+#define fq_cpu_trmm_lower_f32_avx512 fq_cpu_trmm_lower_f32
+#define fq_cpu_trmm_lower_f32_avx2 fq_cpu_trmm_lower_f32
+#define fq_cpu_trmm_lower_f32_neon fq_cpu_trmm_lower_f32
+#define fq_cpu_trmm_lower_f32_scalar fq_cpu_trmm_lower_f32
+#define fq_cpu_trmm_upper_f32_avx512 fq_cpu_trmm_upper_f32
+#define fq_cpu_trmm_upper_f32_avx2 fq_cpu_trmm_upper_f32
+#define fq_cpu_trmm_upper_f32_neon fq_cpu_trmm_upper_f32
+#define fq_cpu_trmm_upper_f32_scalar fq_cpu_trmm_upper_f32
+#define FQ_BWD_REAL_IS_F32 1
+#include "gdn_cpu_bwd_impl.h" /* (it #undefs FQ_EXP and its own helpers' names) */
+#undef FQ_BWD_REAL_IS_F32
+
+static const fq_cpu_kernels FQ_K(table) = {
+    FQ_ISA_NAME,
+    FQ_KCAT(fwd_scratch_elems_f32, FQ_ISA), FQ_KCAT(fwd_item_f32, FQ_ISA),
+    FQ_KCAT(rec_scratch_elems_f32, FQ_ISA), FQ_KCAT(rec_item_f32, FQ_ISA),
+    FQ_K(gemm),
+    FQ_K(load_row), FQ_K(store_row),
+    FQ_KCAT(chunk_bwd_run, FQ_SFX),
+};
+const fq_cpu_kernels *const FQ_KCAT(fq_cpu_kernels, FQ_ISA) = &FQ_K(table);
+
+#undef FQ_SFX
+#undef REAL

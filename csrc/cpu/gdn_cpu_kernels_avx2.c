@@ -64,6 +64,40 @@ static inline void fq_v_store_f16(uint16_t *p, fq_vf v)
     _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* dst[j][i] = src[i][j] for an 8 x 8 float block, in registers: pairs of
+ * rows interleaved (unpack), 2 x 2 blocks swapped (shuffle), then the 128-bit
+ * halves (permute) */
+static inline void fq_avx2_transpose8(float *dst, int64_t ldd, const float *src, int64_t lds)
+{
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int l = 0; l < 4; l++) {
+        t[l] = _mm256_permute2f128_ps(r[l], r[l + 4], 0x20);
+        t[l + 4] = _mm256_permute2f128_ps(r[l], r[l + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, t[i]);
+}
+
+/* the backward's 16 x 16 transpose block as four 8 x 8 ones */
+static inline void fq_bwd_transpose16_f32(float *dst, int64_t ldd, const float *src, int64_t lds)
+{
+    fq_avx2_transpose8(dst, ldd, src, lds);
+    fq_avx2_transpose8(dst + 8, ldd, src + 8 * lds, lds);
+    fq_avx2_transpose8(dst + 8 * ldd, ldd, src + 8, lds);
+    fq_avx2_transpose8(dst + 8 * ldd + 8, ldd, src + 8 * lds + 8, lds);
+}
+#define FQ_BWD_HAVE_TRANSPOSE16_F32 1
+
 #define FQ_GEMM_MR 6
 #define FQ_GEMM_NV 2
 #define FQ_REC_NZ 4

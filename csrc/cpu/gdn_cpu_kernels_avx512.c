@@ -57,6 +57,35 @@ static inline void fq_v_store_f16(uint16_t *p, fq_vf v)
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* dst[j][i] = src[i][j] for a 16 x 16 float block, in registers: pairs of
+ * rows interleaved (unpack), then 2 x 2, 4 x 4 and 8 x 8 blocks swapped. */
+static inline void fq_bwd_transpose16_f32(float *dst, int64_t ldd, const float *src, int64_t lds)
+{
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int l = 0; l < 4; l++) {
+            t[i + l] = _mm512_shuffle_f32x4(r[i + l], r[i + l + 4], 0x88);
+            t[i + l + 4] = _mm512_shuffle_f32x4(r[i + l], r[i + l + 4], 0xDD);
+        }
+    for (int l = 0; l < 8; l++) {
+        r[l] = _mm512_shuffle_f32x4(t[l], t[l + 8], 0x88);
+        r[l + 8] = _mm512_shuffle_f32x4(t[l], t[l + 8], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);
+}
+#define FQ_BWD_HAVE_TRANSPOSE16_F32 1
+
 #define FQ_GEMM_MR 8
 #define FQ_GEMM_NV 2
 #define FQ_REC_NZ 8
