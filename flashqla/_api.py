@@ -35,10 +35,14 @@ __all__ = ["gdn_chunk", "gdn_chunk_fwd", "gdn_chunk_bwd", "gdn_recurrent", "gdn_
            "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "ChunkContext"]
 
 
-def _all_torch_tensors(*xs):
-    """True when every x is a plain torch.Tensor (torch already imported)."""
+def _all_torch_tensors(q, k, v, g, beta, state):
+    """True when every argument is a plain torch.Tensor (torch already imported)."""
     torch = sys.modules.get("torch")
-    return torch is not None and all(type(x) is torch.Tensor for x in xs)
+    if torch is None:
+        return False
+    t = torch.Tensor
+    return (type(q) is t and type(k) is t and type(v) is t and type(g) is t and
+            type(beta) is t and type(state) is t)
 
 
 def _jax_front():

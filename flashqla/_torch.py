@@ -45,10 +45,13 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
+from . import _C
 from ._frameworks import TORCH, _numpy_index, scale_of
 from ._prepared import (NO_GATES, FusedGates, check_layout, chunk_bwd_prepared,
-                        chunk_fwd_prepared, commit_prepared, recurrent_prepared, state_dims)
+                        chunk_fwd_prepared, commit_prepared, recurrent_prepared, sizes_of,
+                        state_dims)
 
 __all__ = ["chunk_fwd", "chunk_bwd", "recurrent", "chunk_fwd_serving", "commit", "gdn_chunk",
            "gdn_recurrent", "gdn_commit"]
@@ -440,6 +443,11 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
                   use_beta_sigmoid_in_kernel=False):
     """flashqla.gdn_recurrent for PyTorch tensors, through torch.ops.flashqla.recurrent
     (no gradients: the inputs are detached; the pool is updated in place)."""
+    if (cu_seqlens is None and intermediate_states is None and update_state is True and
+            state_layout == "kv" and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel):
+        o = _recurrent_hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm)
+        if o is not None:
+            return o
     _check_ndim(q, "q", 4, "[B, T, H, K]")
     _check_ndim(k, "k", 4, "[B, T, H, K]")
     _check_ndim(v, "v", 4, "[B, T, HV, V]")
@@ -490,6 +498,37 @@ def gdn_commit(state, intermediate_states, state_indices, num_accepted, *, state
         commit_prepared(TORCH, state, intermediate_states, idx, acc, state_layout)
     else:
         torch.ops.flashqla.commit(state, intermediate_states, idx, acc, state_layout)
+
+
+def _recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm):
+    """The decode hot path (one call per layer and token): when nothing needs
+    preparing (plain contiguous tensors that do not require grad, gates
+    already float32 or q's dtype, indices on q's device) and nothing traces
+    the call (see _plain_eager), the op's kernel is called with no Python
+    checks of its own: the binding checks every argument and its messages
+    name them. Returns None when the call is not of that kind."""
+    if not _plain_eager():
+        return None
+    for x in (q, k, v, g, beta, state):
+        if type(x) is not Tensor or x.requires_grad or not x.is_contiguous():
+            return None
+    if g.dtype != beta.dtype or (g.dtype != torch.float32 and g.dtype != q.dtype):
+        return None
+    if idx is not None and (type(idx) is not Tensor or not idx.is_contiguous() or
+                            (idx.is_cuda or q.is_cuda) and idx.device != q.device):
+        return None
+    scale = scale_of(scale, q)
+    o = torch.empty_like(v)                                    # [B, T, HV, V]
+    launch = {}
+    if q.is_cuda:  # stream= and workspace=, as recurrent_prepared gives them
+        launch = TORCH.launch("recurrent", q, sizes_of(q, v, None), TORCH.dtype_name(q))
+        if launch.get("workspace") is not None:
+            launch["workspace"] = _to_dlpack(launch["workspace"])
+    c = _to_dlpack
+    _C.recurrent(c(q), c(k), c(v), c(g), c(beta), c(state), c(o), scale=scale,
+                 state_indices=None if idx is None else c(idx),
+                 use_qk_l2norm=bool(use_qk_l2norm), **launch)
+    return o
 
 
 def _plain_eager(*tensors):
