@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SETS = ["avx512", "avx2", "neon", "scalar"]
 NUMERICAL_FILES = ["test_chunk_fwd.py", "test_recurrent.py", "test_chunk_bwd.py",
-                   "test_numerics_isolation.py", "test_cpu_kernels.py"]
+                   "test_numerics_isolation.py", "test_serving.py", "test_cpu_kernels.py"]
 
 
 def _env(isa):

@@ -57,6 +57,12 @@ fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
                               void (*fn)(void *ctx, int64_t item, int thread_id),
                               void *ctx);
 
+/* The same, items handed out in runs of `chunk` consecutive ones (for
+ * items of equal cost: each thread then streams through contiguous memory). */
+fq_status fq_cpu_parallel_for_chunked(int64_t n_items, int num_threads, int64_t chunk,
+                                      void (*fn)(void *ctx, int64_t item, int thread_id),
+                                      void *ctx);
+
 /* The number of threads fq_cpu_parallel_for(n_items, num_threads, ...) uses
  * (>= 1): min(num_threads or the default, n_items), at least 1. */
 int fq_cpu_resolve_threads(int64_t n_items, int num_threads);

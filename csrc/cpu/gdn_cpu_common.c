@@ -34,8 +34,8 @@
 typedef struct {
     void (*fn)(void *ctx, int64_t item, int thread_id);
     void *ctx;
-    int64_t n_items;
-    atomic_llong next; /* the next item not yet handed out */
+    int64_t n_items, chunk; /* items are handed out `chunk` at a time */
+    atomic_llong next;      /* the next item not yet handed out */
 } fq_pfor_job;
 
 static struct {
@@ -57,9 +57,10 @@ static pthread_once_t pool_atfork_once = PTHREAD_ONCE_INIT;
 static void pfor_run(fq_pfor_job *j, int thread_id)
 {
     for (;;) {
-        long long item = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (item >= j->n_items) break;
-        j->fn(j->ctx, (int64_t)item, thread_id);
+        const int64_t i0 = (int64_t)atomic_fetch_add_explicit(&j->next, j->chunk, memory_order_relaxed);
+        if (i0 >= j->n_items) break;
+        const int64_t i1 = i0 + j->chunk < j->n_items ? i0 + j->chunk : j->n_items;
+        for (int64_t item = i0; item < i1; item++) j->fn(j->ctx, item, thread_id);
     }
 }
 
@@ -201,12 +202,19 @@ int fq_cpu_resolve_threads_for_bytes(int64_t n_items, int num_threads, double it
 fq_status fq_cpu_parallel_for(int64_t n_items, int num_threads,
                               void (*fn)(void *ctx, int64_t item, int thread_id), void *ctx)
 {
+    return fq_cpu_parallel_for_chunked(n_items, num_threads, 1, fn, ctx);
+}
+
+fq_status fq_cpu_parallel_for_chunked(int64_t n_items, int num_threads, int64_t chunk,
+                                      void (*fn)(void *ctx, int64_t item, int thread_id), void *ctx)
+{
     if (n_items <= 0) return FQ_OK;
     int nt = fq_cpu_resolve_threads(n_items, num_threads);
     fq_pfor_job job;
     job.fn = fn;
     job.ctx = ctx;
     job.n_items = n_items;
+    job.chunk = chunk > 1 ? chunk : 1;
     atomic_init(&job.next, 0);
     if (nt == 1 || pool_thread_id > 0) { /* one thread, or called from a pool item */
         pfor_run(&job, 0);

@@ -70,7 +70,12 @@ fq_status fq_cpu_recurrent(const fq_gdn_params *p)
             goto done;
         }
     }
-    st = fq_cpu_parallel_for(n_items, nt, is64 ? rec_item_f64 : kern->rec_item, &x);
+    /* equal items (no cu_seqlens): runs of n / (4 nt) consecutive ones, so
+     * each thread streams through contiguous parts of the pool (the decode
+     * step is memory bound: measured 10-15 % faster at 2 threads than one
+     * item at a time); varlen items one at a time, for the balance */
+    const int64_t chunk = p->cu_seqlens ? 1 : (n_items + 4 * nt - 1) / (4 * nt);
+    st = fq_cpu_parallel_for_chunked(n_items, nt, chunk, is64 ? rec_item_f64 : kern->rec_item, &x);
 done:
     for (int i = 0; i < nt; i++) free(x.scratch[i]);
     free(x.scratch);
