@@ -20,12 +20,16 @@
 #define FQ_CAT2_(a, b) a##_##b
 #define FQ_CAT2(a, b) FQ_CAT2_(a, b)
 #define FN(name) FQ_CAT2(name, FQ_SFX)
+/* the helpers: fq_cpu_<helper>_<FQ_SFX> unless the includer names them (the
+ * per-instruction-set files gdn_cpu_kernels_<isa>.c name their own) */
+#ifndef FQ_LOAD
 #define FQ_LOAD FQ_CAT2(fq_cpu_load, FQ_SFX)
 #define FQ_STORE FQ_CAT2(fq_cpu_store, FQ_SFX)
 #define FQ_L2NORM FQ_CAT2(fq_cpu_l2norm, FQ_SFX)
 #define FQ_GEMM FQ_CAT2(fq_cpu_gemm, FQ_SFX)
 #define FQ_TRMM_LOWER FQ_CAT2(fq_cpu_trmm_lower, FQ_SFX)
 #define FQ_TRMM_UPPER FQ_CAT2(fq_cpu_trmm_upper, FQ_SFX)
+#endif
 
 #define CH FQ_BWD_CHUNK
 

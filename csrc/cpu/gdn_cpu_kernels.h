@@ -306,37 +306,19 @@ static int64_t FQ_K(rec_blocks)(float *S, int64_t K, int64_t V, int64_t nt, cons
 #undef FQ_TRMM_LOWER
 #undef FQ_L2NORM
 
-/* gdn_cpu_bwd_impl.h names its helpers from the token FQ_SFX
- * (fq_cpu_load_<sfx>, ...): here aliases of this set's kernels */
+/* the backward: FQ_SFX names its functions (chunk_bwd_run_f32_<isa>), the
+ * helpers are this set's (the L2 norm keeps the sequential sum that the
+ * backward's l2_inv repeats; the triangular products' off-diagonal blocks
+ * reach this set's GEMM through fq_cpu_gemm_f32) */
 #define FQ_SFX FQ_KCAT(f32, FQ_ISA)
-#define fq_cpu_load_f32_avx512 load_row_avx512
-#define fq_cpu_load_f32_avx2 load_row_avx2
-#define fq_cpu_load_f32_neon load_row_neon
-#define fq_cpu_load_f32_scalar load_row_scalar
-#define fq_cpu_store_f32_avx512 store_row_avx512
-#define fq_cpu_store_f32_avx2 store_row_avx2
-#define fq_cpu_store_f32_neon store_row_neon
-#define fq_cpu_store_f32_scalar store_row_scalar
-#define fq_cpu_gemm_f32_avx512 gemm_avx512
-#define fq_cpu_gemm_f32_avx2 gemm_avx2
-#define fq_cpu_gemm_f32_neon gemm_neon
-#define fq_cpu_gemm_f32_scalar gemm_scalar
-/* the L2 norm with the sequential sum its l2_inv repeats; the triangular
- * products (their off-diagonal blocks: this set's GEMM) */
-#define fq_cpu_l2norm_f32_avx512 fq_cpu_l2norm_f32
-#define fq_cpu_l2norm_f32_avx2 fq_cpu_l2norm_f32
-#define fq_cpu_l2norm_f32_neon fq_cpu_l2norm_f32
-#define fq_cpu_l2norm_f32_scalar fq_cpu_l2norm_f32
-#define fq_cpu_trmm_lower_f32_avx512 fq_cpu_trmm_lower_f32
-#define fq_cpu_trmm_lower_f32_avx2 fq_cpu_trmm_lower_f32
-#define fq_cpu_trmm_lower_f32_neon fq_cpu_trmm_lower_f32
-#define fq_cpu_trmm_lower_f32_scalar fq_cpu_trmm_lower_f32
-#define fq_cpu_trmm_upper_f32_avx512 fq_cpu_trmm_upper_f32
-#define fq_cpu_trmm_upper_f32_avx2 fq_cpu_trmm_upper_f32
-#define fq_cpu_trmm_upper_f32_neon fq_cpu_trmm_upper_f32
-#define fq_cpu_trmm_upper_f32_scalar fq_cpu_trmm_upper_f32
+#define FQ_LOAD FQ_K(load_row)
+#define FQ_STORE FQ_K(store_row)
+#define FQ_L2NORM fq_cpu_l2norm_f32
+#define FQ_GEMM FQ_K(gemm)
+#define FQ_TRMM_LOWER fq_cpu_trmm_lower_f32
+#define FQ_TRMM_UPPER fq_cpu_trmm_upper_f32
 #define FQ_BWD_REAL_IS_F32 1
-#include "gdn_cpu_bwd_impl.h" /* (it #undefs FQ_EXP and its own helpers' names) */
+#include "gdn_cpu_bwd_impl.h" /* (it #undefs FQ_EXP and the helpers' names) */
 #undef FQ_BWD_REAL_IS_F32
 
 static const fq_cpu_kernels FQ_K(table) = {
