@@ -262,12 +262,6 @@ fq_status fq_cpu_commit(const fq_gdn_params *p);
 /* 1 if the library was built with the CUDA backend, else 0 (then every
  * fq_cuda_* entry point returns FQ_ERR_UNSUPPORTED). */
 int fq_cuda_built(void);
-/* Small runtime helpers for the binding (which includes no CUDA header):
- * device memory for buffers handed out through DLPack, and a wait on the
- * legacy default stream of a device. */
-fq_status fq_cuda_alloc(int device, size_t bytes, void **ptr);
-fq_status fq_cuda_free(int device, void *ptr);
-fq_status fq_cuda_synchronize_stream(int device, void *stream);
 /* Device scratch the caller must provide in p->workspace for each call.
  * Depends only on sizes (B, T, H, HV, K, V, N, dtype), never on data. */
 size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p);

@@ -38,56 +38,6 @@ static void fq_cuda_leave_device(int device, int prev)
 
 extern "C" int fq_cuda_built(void) { return 1; }
 
-extern "C" fq_status fq_cuda_alloc(int device, size_t bytes, void **ptr)
-{
-    int prev = 0;
-    *ptr = NULL;
-    fq_status st = fq_cuda_enter_device(device, &prev, "cudaMalloc");
-    if (st != FQ_OK) return st;
-    /* cudaMalloc(0) returns NULL; a 1-byte allocation keeps pointers unique. */
-    cudaError_t err = cudaMalloc(ptr, bytes > 0 ? bytes : 1);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError(); /* allocation errors are not sticky: clear */
-        *ptr = NULL;
-        st = fq_fail(FQ_ERR_CUDA, "cudaMalloc of %zu bytes on cuda:%d failed: %s", bytes,
-                     device, cudaGetErrorString(err));
-    }
-    fq_cuda_leave_device(device, prev);
-    return st;
-}
-
-extern "C" fq_status fq_cuda_free(int device, void *ptr)
-{
-    if (!ptr) return FQ_OK;
-    int prev = 0;
-    fq_status st = fq_cuda_enter_device(device, &prev, "cudaFree");
-    if (st != FQ_OK) return st;
-    cudaError_t err = cudaFree(ptr);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        st = fq_fail(FQ_ERR_CUDA, "cudaFree on cuda:%d failed: %s", device,
-                     cudaGetErrorString(err));
-    }
-    fq_cuda_leave_device(device, prev);
-    return st;
-}
-
-/* stream NULL: the legacy default stream of `device`. */
-extern "C" fq_status fq_cuda_synchronize_stream(int device, void *stream)
-{
-    int prev = 0;
-    fq_status st = fq_cuda_enter_device(device, &prev, "cudaStreamSynchronize");
-    if (st != FQ_OK) return st;
-    cudaError_t err = cudaStreamSynchronize((cudaStream_t)stream);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        st = fq_fail(FQ_ERR_CUDA, "cudaStreamSynchronize on cuda:%d failed: %s", device,
-                     cudaGetErrorString(err));
-    }
-    fq_cuda_leave_device(device, prev);
-    return st;
-}
-
 /* ------------------------------------------- FLASHQLA_CHECK_INPUTS=1 ---- */
 
 /* Copies `bytes` of device memory to a new host buffer on p->stream (*out

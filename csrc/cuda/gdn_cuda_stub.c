@@ -11,28 +11,6 @@
 
 int fq_cuda_built(void) { return 0; }
 
-fq_status fq_cuda_alloc(int device, size_t bytes, void **ptr)
-{
-    (void)device;
-    (void)bytes;
-    if (ptr) *ptr = NULL;
-    return fq_fail(FQ_ERR_UNSUPPORTED, FQ_NO_CUDA_MESSAGE);
-}
-
-fq_status fq_cuda_free(int device, void *ptr)
-{
-    (void)device;
-    (void)ptr;
-    return fq_fail(FQ_ERR_UNSUPPORTED, FQ_NO_CUDA_MESSAGE);
-}
-
-fq_status fq_cuda_synchronize_stream(int device, void *stream)
-{
-    (void)device;
-    (void)stream;
-    return fq_fail(FQ_ERR_UNSUPPORTED, FQ_NO_CUDA_MESSAGE);
-}
-
 size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p) { (void)p; return 0; }
 size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p) { (void)p; return 0; }
 size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p) { (void)p; return 0; }
