@@ -400,9 +400,34 @@ static XLA_FFI_Error *fq_xla_run(XLA_FFI_CallFrame *frame, fq_gdn_params *p, cha
     return err;
 }
 
-/* Sizes and options of a call into p (pointers are set by the op). */
-static void fq_xla_params(const fq_xla_call *c, fq_gdn_params *p, double scale, int l2)
+#define FQ_XLA_TRY(expr)                      \
+    do {                                      \
+        XLA_FFI_Error *fq_xla_err_ = (expr);  \
+        if (fq_xla_err_) return fq_xla_err_;  \
+    } while (0)
+
+/* ================================================================= ops == */
+
+/* q, k, v, g, beta: arguments 0-4 of every op (buffers 0-4 of c); *a is
+ * then the next argument. */
+static XLA_FFI_Error *fq_xla_take_tokens(XLA_FFI_CallFrame *frame, fq_xla_call *c, int64_t *a)
 {
+    FQ_XLA_TRY(fq_xla_take(frame, c, 0, (*a)++, "q", FQ_XB_QK));
+    FQ_XLA_TRY(fq_xla_take(frame, c, 0, (*a)++, "k", FQ_XB_QK));
+    FQ_XLA_TRY(fq_xla_take(frame, c, 0, (*a)++, "v", FQ_XB_V));
+    FQ_XLA_TRY(fq_xla_take(frame, c, 0, (*a)++, "g", FQ_XB_GATE));
+    FQ_XLA_TRY(fq_xla_take(frame, c, 0, (*a)++, "beta", FQ_XB_GATE));
+    return NULL;
+}
+
+/* Once every buffer is taken: the sizes and dtypes of the call, its options
+ * and the q, k, v, g, beta pointers into p (the op sets the others). */
+static XLA_FFI_Error *fq_xla_setup(XLA_FFI_CallFrame *frame, fq_xla_call *c, int has_cu, double scale, int l2,
+                                   fq_gdn_params *p)
+{
+    FQ_XLA_TRY(fq_xla_sizes(frame->api, c, has_cu));
+    fq_params_init(p);
+    FQ_XLA_TRY(fq_xla_dtypes(frame->api, c, p));
     p->B = c->B;
     p->T = c->T;
     p->H = c->H;
@@ -414,15 +439,14 @@ static void fq_xla_params(const fq_xla_call *c, fq_gdn_params *p, double scale, 
     p->scale = scale;
     p->use_qk_l2norm = l2;
     p->num_threads = 0;
+    p->q = c->bufs[0].b->data;
+    p->k = c->bufs[1].b->data;
+    p->v = c->bufs[2].b->data;
+    p->g = c->bufs[3].b->data;
+    p->beta = c->bufs[4].b->data;
+    return NULL;
 }
 
-#define FQ_XLA_TRY(expr)                      \
-    do {                                      \
-        XLA_FFI_Error *fq_xla_err_ = (expr);  \
-        if (fq_xla_err_) return fq_xla_err_;  \
-    } while (0)
-
-/* ================================================================= ops == */
 
 /* o, [ht] = chunk_fwd(q, k, v, g, beta, [h0], [cu]) */
 static XLA_FFI_Error *fq_xla_chunk_fwd(XLA_FFI_CallFrame *frame, fq_xla_platform platform)
@@ -439,11 +463,7 @@ static XLA_FFI_Error *fq_xla_chunk_fwd(XLA_FFI_CallFrame *frame, fq_xla_platform
     fq_xla_call c;
     memset(&c, 0, sizeof c);
     int64_t a = 0;
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "q", FQ_XB_QK));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "k", FQ_XB_QK));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "v", FQ_XB_V));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "g", FQ_XB_GATE));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "beta", FQ_XB_GATE));
+    FQ_XLA_TRY(fq_xla_take_tokens(frame, &c, &a));
     int ih0 = has_h0 ? c.n : -1;
     if (has_h0) FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "initial_state", FQ_XB_STATE));
     int icu = has_cu ? c.n : -1;
@@ -452,16 +472,8 @@ static XLA_FFI_Error *fq_xla_chunk_fwd(XLA_FFI_CallFrame *frame, fq_xla_platform
     FQ_XLA_TRY(fq_xla_take(frame, &c, 1, 0, "o", FQ_XB_V));
     int iht = want_ht ? c.n : -1;
     if (want_ht) FQ_XLA_TRY(fq_xla_take(frame, &c, 1, 1, "final_state", FQ_XB_STATE));
-    FQ_XLA_TRY(fq_xla_sizes(frame->api, &c, has_cu != 0));
     fq_gdn_params p;
-    fq_params_init(&p);
-    FQ_XLA_TRY(fq_xla_dtypes(frame->api, &c, &p));
-    fq_xla_params(&c, &p, scale, l2 != 0);
-    p.q = c.bufs[0].b->data;
-    p.k = c.bufs[1].b->data;
-    p.v = c.bufs[2].b->data;
-    p.g = c.bufs[3].b->data;
-    p.beta = c.bufs[4].b->data;
+    FQ_XLA_TRY(fq_xla_setup(frame, &c, has_cu != 0, scale, l2 != 0, &p));
     p.h0 = ih0 >= 0 ? c.bufs[ih0].b->data : NULL;
     p.cu_seqlens = icu >= 0 ? c.bufs[icu].b->data : NULL;
     p.o = c.bufs[io].b->data;
@@ -484,11 +496,7 @@ static XLA_FFI_Error *fq_xla_chunk_bwd(XLA_FFI_CallFrame *frame, fq_xla_platform
     fq_xla_call c;
     memset(&c, 0, sizeof c);
     int64_t a = 0;
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "q", FQ_XB_QK));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "k", FQ_XB_QK));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "v", FQ_XB_V));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "g", FQ_XB_GATE));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "beta", FQ_XB_GATE));
+    FQ_XLA_TRY(fq_xla_take_tokens(frame, &c, &a));
     int ih0 = has_h0 ? c.n : -1;
     if (has_h0) FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "initial_state", FQ_XB_STATE));
     int icu = has_cu ? c.n : -1;
@@ -505,16 +513,8 @@ static XLA_FFI_Error *fq_xla_chunk_bwd(XLA_FFI_CallFrame *frame, fq_xla_platform
     FQ_XLA_TRY(fq_xla_take(frame, &c, 1, 4, "dbeta", FQ_XB_GATE));
     int idh0 = has_h0 ? c.n : -1;
     if (has_h0) FQ_XLA_TRY(fq_xla_take(frame, &c, 1, 5, "dinitial_state", FQ_XB_STATE));
-    FQ_XLA_TRY(fq_xla_sizes(frame->api, &c, has_cu != 0));
     fq_gdn_params p;
-    fq_params_init(&p);
-    FQ_XLA_TRY(fq_xla_dtypes(frame->api, &c, &p));
-    fq_xla_params(&c, &p, scale, l2 != 0);
-    p.q = c.bufs[0].b->data;
-    p.k = c.bufs[1].b->data;
-    p.v = c.bufs[2].b->data;
-    p.g = c.bufs[3].b->data;
-    p.beta = c.bufs[4].b->data;
+    FQ_XLA_TRY(fq_xla_setup(frame, &c, has_cu != 0, scale, l2 != 0, &p));
     p.h0 = ih0 >= 0 ? c.bufs[ih0].b->data : NULL;
     p.cu_seqlens = icu >= 0 ? c.bufs[icu].b->data : NULL;
     p.dout = c.bufs[ido].b->data;
@@ -543,11 +543,7 @@ static XLA_FFI_Error *fq_xla_recurrent(XLA_FFI_CallFrame *frame, fq_xla_platform
     fq_xla_call c;
     memset(&c, 0, sizeof c);
     int64_t a = 0;
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "q", FQ_XB_QK));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "k", FQ_XB_QK));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "v", FQ_XB_V));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "g", FQ_XB_GATE));
-    FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "beta", FQ_XB_GATE));
+    FQ_XLA_TRY(fq_xla_take_tokens(frame, &c, &a));
     int istate = c.n;
     FQ_XLA_TRY(fq_xla_take(frame, &c, 0, a++, "state", FQ_XB_POOL));
     int iidx = has_idx ? c.n : -1;
@@ -558,20 +554,12 @@ static XLA_FFI_Error *fq_xla_recurrent(XLA_FFI_CallFrame *frame, fq_xla_platform
     FQ_XLA_TRY(fq_xla_take(frame, &c, 1, 0, "o", FQ_XB_V));
     int inew = c.n;
     FQ_XLA_TRY(fq_xla_take(frame, &c, 1, 1, "new_state", FQ_XB_POOL));
-    FQ_XLA_TRY(fq_xla_sizes(frame->api, &c, has_cu != 0));
+    fq_gdn_params p;
+    FQ_XLA_TRY(fq_xla_setup(frame, &c, has_cu != 0, scale, l2 != 0, &p));
     if (!has_idx && c.P != c.N)
         return fq_xla_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
                             "flashqla: state: without state_indices the pool must have N=%lld "
                             "slots, got %lld", (long long)c.N, (long long)c.P);
-    fq_gdn_params p;
-    fq_params_init(&p);
-    FQ_XLA_TRY(fq_xla_dtypes(frame->api, &c, &p));
-    fq_xla_params(&c, &p, scale, l2 != 0);
-    p.q = c.bufs[0].b->data;
-    p.k = c.bufs[1].b->data;
-    p.v = c.bufs[2].b->data;
-    p.g = c.bufs[3].b->data;
-    p.beta = c.bufs[4].b->data;
     p.state_indices = iidx >= 0 ? c.bufs[iidx].b->data : NULL;
     p.cu_seqlens = icu >= 0 ? c.bufs[icu].b->data : NULL;
     p.o = c.bufs[io].b->data;
