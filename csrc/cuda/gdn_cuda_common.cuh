@@ -232,6 +232,32 @@ static __device__ __forceinline__ void fq_named_bar(int id, int nthreads)
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
+/* Inclusive prefix sum of x over the thread block (blockDim.x a multiple of
+ * 32, at most 1024): a warp scan, then warp 0 scans the warp totals in
+ * s_warp (32 ints of shared memory). Every thread of the block calls it; it
+ * reads s_warp after its last barrier, so the caller syncs the block before
+ * calling it again. */
+static __device__ __forceinline__ int fq_block_inclusive_scan(int x, int *s_warp)
+{
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) s_warp[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+        int wv = lane < nw ? s_warp[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, wv, o);
+            if (lane >= o) wv += y;
+        }
+        s_warp[lane] = wv; /* inclusive over warps */
+    }
+    __syncthreads();
+    return x + (wid > 0 ? s_warp[wid - 1] : 0);
+}
+
 /* ----------------------------------------------------- chunk table ---- */
 
 /* One entry per chunk (grid bound nc_max; entries past the real count have

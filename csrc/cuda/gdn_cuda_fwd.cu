@@ -4,7 +4,7 @@
  * main ones (chunk table, bf16 copies and L2 norms, NaN poisoning). The main
  * stages live in gdn_cuda_fwd_wy.cu (A), gdn_cuda_fwd_state.cu (B) and
  * gdn_cuda_fwd_output.cu (C); gdn_cuda_common.cuh describes them. Earlier
- * versions of the stages (v1) were removed once superseded: see
+ * versions of the stages were removed once superseded: see
  * benchmarks/NOTES.md and git history (commit 4599409).
  */
 #include "gdn_cuda_common.cuh"
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(1024) fq_chunk_table_kernel(const void *cu, in
     /* stage A, when it follows directly as a programmatic dependent launch,
      * may be scheduled now; it waits for this grid before reading the table */
     fq_pdl_trigger();
-    int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nth = blockDim.x;
+    int tid = threadIdx.x, nth = blockDim.x;
     if (tid == 0) { s_bad = 0; s_carry = 0; }
     __syncthreads();
     if (cu) {
@@ -246,24 +246,7 @@ __global__ void __launch_bounds__(1024) fq_chunk_table_kernel(const void *cu, in
             if (bad) { bos = 0; len = 0; }
         }
         int nch = (len + FQ_CHUNK - 1) / FQ_CHUNK;
-        /* inclusive scan: warp, then the warp totals */
-        int x = nch;
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        if (lane == 31) s_warp[wid] = x;
-        __syncthreads();
-        if (wid == 0) {
-            int wv = lane < (nth >> 5) ? s_warp[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, wv, o);
-                if (lane >= o) wv += y;
-            }
-            s_warp[lane] = wv; /* inclusive over warps */
-        }
-        __syncthreads();
-        int incl = x + (wid > 0 ? s_warp[wid - 1] : 0);
+        const int incl = fq_block_inclusive_scan(nch, s_warp);
         int carry = s_carry;
         if (i < N) {
             fq_seq_info si;

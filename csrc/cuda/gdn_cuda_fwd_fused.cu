@@ -639,7 +639,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
     __shared__ int s_carry;
     fq_pdl_trigger();
     fq_pdl_wait();
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nth = blockDim.x;
+    const int tid = threadIdx.x, nth = blockDim.x;
     if (tid == 0) s_carry = 0;
     __syncthreads();
     for (int base = 0; base < N; base += nth) {
@@ -654,24 +654,8 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
             if (L < 1) L = 1;
             nseg = si.nchunks > 0 ? (si.nchunks + L - 1) / L : 1; /* an empty sequence: one segment (ht = h0) */
         }
-        /* exclusive scan of nseg: warp, then the warp totals */
-        int x = nseg;
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        if (lane == 31) s_warp[wid] = x;
-        __syncthreads();
-        if (wid == 0) {
-            int wv = lane < (nth >> 5) ? s_warp[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, wv, o);
-                if (lane >= o) wv += y;
-            }
-            s_warp[lane] = wv;
-        }
-        __syncthreads();
-        const int first = s_carry + x - nseg + (wid > 0 ? s_warp[wid - 1] : 0);
+        /* this sequence's first segment: the exclusive prefix sum of nseg */
+        const int first = s_carry + fq_block_inclusive_scan(nseg, s_warp) - nseg;
         for (int sg = 0; sg < nseg; sg++) {
             fq_seg_info e;
             e.seq = n;
