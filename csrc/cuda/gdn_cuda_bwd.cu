@@ -6,7 +6,7 @@
  *
  *   0. fq_cuda_fwd_prepare   chunk table, bf16 q/k/v, inverse norms rq, rk
  *   1. fq_cuda_fwd_wy_recompute  gamma, A = (I+L)^-1 (kept for step 5), W, U
- *                            (stage A v3, the persistent kernel)
+ *                            (stage A, the persistent kernel)
  *   2. fq_cuda_fwd_state     chunk-start states h (bf16) and Vn = U - W h
  *      (1, 2 are the forward's stage launchers, gdn_cuda_common.cuh)
  *   3. bwd_local   per (chunk, value head). Forward lines:
@@ -44,18 +44,18 @@
  *      L2-norm backward
  *          q_hat = q r, r = (|q|^2 + 1e-6)^-1/2:  dq = r (dq_hat - q_hat (q_hat . dq_hat))
  *
- * The kernels (the backward's "version 6", the one measured on the H200):
- *   3 + 6 for dq: bwd_local2 (gdn_cuda_bwd_fused.cu), one block per chunk and
+ * The kernels (the backward measured on the H200):
+ *   3 + 6 for dq: bwd_local (gdn_cuda_bwd_fused.cu), one block per chunk and
  *     q/k head looping over the GVA group, products in registers, dq finished
  *     in the block, dK_O summed over the group; the chunk-start state h is
  *     loaded as a second cp.async group;
- *   4: bwd_state3 (gdn_cuda_bwd_state.cu), dS^T in registers as the mma A
+ *   4: bwd_state (gdn_cuda_bwd_state.cu), dS^T in registers as the mma A
  *     operand, 16 state columns per warp or warp pair, columns per block and
  *     K-split picked by the number of chains vs SMs (the environment variable
  *     FLASHQLA_CUDA_BWD_STATE=BV:KS, e.g. 32:1, forces one configuration, for
  *     timing the alternatives);
- *   5 + 6 for dk: bwd_wy2 (gdn_cuda_bwd_fused.cu), the same scheme as
- *     bwd_local2, dk finished in the block.
+ *   5 + 6 for dk: bwd_wy (gdn_cuda_bwd_fused.cu), the same scheme as
+ *     bwd_local, dk finished in the block.
  * Versions 1-5 (unfused kernels, a separate dq/dk reduction, earlier reverse
  * state passes) were removed once superseded: see benchmarks/NOTES.md and git
  * history (commit 4599409).
@@ -167,11 +167,11 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 
     /* 3-6 (each launcher checks K, V; fq_cuda_fwd_check_sizes already did) */
     const int64_t nc = ws.f.nc_max;
-    if ((st = fq_bwd_local2_launch(p, args, nc, stream)) != FQ_OK) return st;
+    if ((st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[1], stream));
-    if ((st = fq_bwd_state3_launch(p, args, 0, 0, stream)) != FQ_OK) return st;
+    if ((st = fq_bwd_state_launch(p, args, 0, 0, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
-    if ((st = fq_bwd_wy2_launch(p, args, nc, stream)) != FQ_OK) return st;
+    if ((st = fq_bwd_wy_launch(p, args, nc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[4], stream)); /* (step 6 has no kernel of its own) */
 

@@ -74,22 +74,22 @@ struct fq_bwd_args {
     int state_vk;      /* [serving] dht, dh0 (and h0) stored [V][K] (fq_state_at) */
 };
 
-/* bwd_local2 (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head)
+/* bwd_local (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head)
  * looping over the GVA group; dq finished in the block (GVA sum + L2-norm
- * backward), dK_O summed over the group (a.dko_group = 1 for bwd_wy2); the
+ * backward), dK_O summed over the group (a.dko_group = 1 for bwd_wy); the
  * chunk-start state is loaded as a second cp.async group, waited for only
  * before dO S^T. nc: chunk-table bound (grid x). */
-fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
-/* bwd_state3 (gdn_cuda_bwd_state.cu), the reverse state pass laid out like the
+fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
+/* bwd_state (gdn_cuda_bwd_state.cu), the reverse state pass laid out like the
  * forward's stage B: dS^T in registers, 16 columns per warp (ks 1) or warp
  * pair (ks 2, K-split); bv state columns per block (16, 32, 64); bv = ks = 0
  * picks by the number of 16-column chains vs SMs, unless the environment
  * variable FLASHQLA_CUDA_BWD_STATE=BV:KS (read once) forces one. Grid
  * N * HV * V / bv. */
-fq_status fq_bwd_state3_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream);
-/* bwd_wy2 (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head) looping
+fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream);
+/* bwd_wy (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head) looping
  * over the GVA group; also finishes dk (GVA sum of the dK_O partials in
  * a.dkp, L2-norm backward). */
-fq_status fq_bwd_wy2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
+fq_status fq_bwd_wy_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
 
 #endif /* FQ_GDN_CUDA_BWD_CUH */

@@ -1,6 +1,6 @@
 /*
  * gdn_cuda_bwd_fused.cu — the backward's bwd_wy stage (step 5 of
- * gdn_cuda_bwd.cu) as bwd_wy2, and bwd_local2 (step 3) further down.
+ * gdn_cuda_bwd.cu) as bwd_wy, and bwd_local (step 3) further down.
  *
  * Same equations as the first, unfused bwd_wy kernel (removed: git history,
  * commit 4599409); what changes is where the intermediates live:
@@ -19,8 +19,8 @@
  *     (the products F1 = Vn dS_next^T and dW = -dVn S^T split by output
  *     column), so shared memory is ~105 KB at K = V = 128: two blocks per SM.
  *
- * Also here: bwd_local2 (the same scheme for step 3, which then finishes
- * dq). The reverse state pass bwd_state3 is in gdn_cuda_bwd_state.cu.
+ * Also here: bwd_local (the same scheme for step 3, which then finishes
+ * dq). The reverse state pass bwd_state is in gdn_cuda_bwd_state.cu.
  *
  * Forward lines differentiated (per chunk, value head; DESIGN §2):
  *   S' = e^{g_C} S + K^T diag(e^{g_C - g}) Vn   -> dK += diag(m) Vn dS'^T,
@@ -72,7 +72,7 @@ static __device__ __forceinline__ float fq_quad_sum(float x)
     return x;
 }
 
-template <int K, int V> struct fq_wy2_smem {
+template <int K, int V> struct fq_bwd_wy_smem {
     static constexpr int MX = K > V ? K : V;
     static constexpr int LDK = K + 8, LDV = V + 8, LDX = MX + 8, LDC = 72;
     static constexpr int off_k = 0;                        /* k_hat rows           */
@@ -86,9 +86,9 @@ template <int K, int V> struct fq_wy2_smem {
 };
 
 template <int K, int V>
-__global__ void __launch_bounds__(256, 2) fq_bwd_wy2_kernel(fq_bwd_args a)
+__global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
 {
-    typedef fq_wy2_smem<K, V> SM;
+    typedef fq_bwd_wy_smem<K, V> SM;
     constexpr int NTK = K / 64, NTV = V / 64;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *sK = (fq_bf16 *)(smem + SM::off_k), *sX = (fq_bf16 *)(smem + SM::off_x);
@@ -493,7 +493,7 @@ static fq_status fq_bwd_carveout(const void *fn)
     return fq_cuda_func_attr(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
 }
 
-/* ===================================================== bwd_local2 ==== */
+/* ===================================================== bwd_local ==== */
 
 /* 64 x 64 bf16 tiles without padding, 16-byte chunks XOR-swizzled by row:
  * element (r, s) at r * 64 + 8 ((s / 8) ^ (r % 8)) + s % 8. ldmatrix rows of
@@ -545,7 +545,7 @@ static __device__ __forceinline__ void fq_wtile_sw(float c[4][4], const fq_bf16 
     }
 }
 
-template <int K, int V> struct fq_local2_smem {
+template <int K, int V> struct fq_bwd_local_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
     static constexpr int off_q = 0;                        /* q_hat rows                */
     static constexpr int off_k = off_q + 64 * LDK * 2;     /* k_hat rows                */
@@ -567,16 +567,16 @@ template <int K, int V> struct fq_local2_smem {
  *   dS_local = Q^T diag(scale e^g) dO  (K x V, bf16 -> a.dsl, for bwd_state)
  * then dq = r (dq_hat - q_hat (q_hat . dq_hat)) with use_qk_l2norm.          */
 template <int K, int V, bool SPLIT_H>
-__global__ void __launch_bounds__(256, 2) fq_bwd_local2_kernel(fq_bwd_args a)
+__global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
 {
-    typedef fq_local2_smem<K, V> SM;
+    typedef fq_bwd_local_smem<K, V> SM;
     constexpr int NTK = K / 64, NTV = V / 64;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *sQ = (fq_bf16 *)(smem + SM::off_q), *sK = (fq_bf16 *)(smem + SM::off_k);
     fq_bf16 *sdO = (fq_bf16 *)(smem + SM::off_do), *sVn = (fq_bf16 *)(smem + SM::off_vn);
     fq_bf16 *sP = sVn, *sdP = sVn + 64 * 64, *sH = (fq_bf16 *)(smem + SM::off_h);
     float *sg = (float *)(smem + SM::off_vec), *sfo = sg + 64, *srq = sg + 128, *srk = sg + 192;
-    /* deterministic reductions as in bwd_wy2: row-sum slots [w / 4][row],
+    /* deterministic reductions as in bwd_wy: row-sum slots [w / 4][row],
      * column-sum slots [w % 4][column] */
     float *srowp = sg + 256, *sdgp = sg + 384, *scz = sg + 512;
 
@@ -853,51 +853,51 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local2_kernel(fq_bwd_args a)
 }
 
 template <int K, int V, bool SPLIT_H>
-static fq_status fq_bwd_local2_launch_kv(const fq_bwd_args &a, int64_t nc, int H, cudaStream_t stream)
+static fq_status fq_bwd_local_launch_kv(const fq_bwd_args &a, int64_t nc, int H, cudaStream_t stream)
 {
-    const int bytes = fq_local2_smem<K, V>::bytes;
-    const void *fn = (const void *)fq_bwd_local2_kernel<K, V, SPLIT_H>;
+    const int bytes = fq_bwd_local_smem<K, V>::bytes;
+    const void *fn = (const void *)fq_bwd_local_kernel<K, V, SPLIT_H>;
     fq_status st = fq_cuda_set_smem(fn, bytes);
     if (st != FQ_OK) return st;
     if ((st = fq_bwd_carveout(fn)) != FQ_OK) return st;
-    fq_bwd_local2_kernel<K, V, SPLIT_H><<<dim3((unsigned)nc, (unsigned)H), 256, bytes, stream>>>(a);
+    fq_bwd_local_kernel<K, V, SPLIT_H><<<dim3((unsigned)nc, (unsigned)H), 256, bytes, stream>>>(a);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
 
-/* SPLIT_H = true only (h as a second cp.async group: the measured version 6);
- * false (h in the first group, version 3) is no longer instantiated. */
-fq_status fq_bwd_local2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
+/* SPLIT_H = true only (h as a second cp.async group, as measured); false (h
+ * in the first group, an earlier layout) is no longer instantiated. */
+fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
 {
     if (nc <= 0) return FQ_OK;
     const int H = (int)p->H;
-    if (p->K == 128 && p->V == 128) return fq_bwd_local2_launch_kv<128, 128, true>(a, nc, H, stream);
-    if (p->K == 128 && p->V == 64) return fq_bwd_local2_launch_kv<128, 64, true>(a, nc, H, stream);
-    if (p->K == 64 && p->V == 128) return fq_bwd_local2_launch_kv<64, 128, true>(a, nc, H, stream);
-    if (p->K == 64 && p->V == 64) return fq_bwd_local2_launch_kv<64, 64, true>(a, nc, H, stream);
+    if (p->K == 128 && p->V == 128) return fq_bwd_local_launch_kv<128, 128, true>(a, nc, H, stream);
+    if (p->K == 128 && p->V == 64) return fq_bwd_local_launch_kv<128, 64, true>(a, nc, H, stream);
+    if (p->K == 64 && p->V == 128) return fq_bwd_local_launch_kv<64, 128, true>(a, nc, H, stream);
+    if (p->K == 64 && p->V == 64) return fq_bwd_local_launch_kv<64, 64, true>(a, nc, H, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 
 template <int K, int V>
-static fq_status fq_bwd_wy2_launch_kv(const fq_bwd_args &a, int64_t nc, int H, cudaStream_t stream)
+static fq_status fq_bwd_wy_launch_kv(const fq_bwd_args &a, int64_t nc, int H, cudaStream_t stream)
 {
-    const int bytes = fq_wy2_smem<K, V>::bytes;
-    const void *fn = (const void *)fq_bwd_wy2_kernel<K, V>;
+    const int bytes = fq_bwd_wy_smem<K, V>::bytes;
+    const void *fn = (const void *)fq_bwd_wy_kernel<K, V>;
     fq_status st = fq_cuda_set_smem(fn, bytes);
     if (st != FQ_OK) return st;
     if ((st = fq_bwd_carveout(fn)) != FQ_OK) return st;
-    fq_bwd_wy2_kernel<K, V><<<dim3((unsigned)nc, (unsigned)H), 256, bytes, stream>>>(a);
+    fq_bwd_wy_kernel<K, V><<<dim3((unsigned)nc, (unsigned)H), 256, bytes, stream>>>(a);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
 
-fq_status fq_bwd_wy2_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
+fq_status fq_bwd_wy_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
 {
     if (nc <= 0) return FQ_OK;
     const int H = (int)p->H;
-    if (p->K == 128 && p->V == 128) return fq_bwd_wy2_launch_kv<128, 128>(a, nc, H, stream);
-    if (p->K == 128 && p->V == 64) return fq_bwd_wy2_launch_kv<128, 64>(a, nc, H, stream);
-    if (p->K == 64 && p->V == 128) return fq_bwd_wy2_launch_kv<64, 128>(a, nc, H, stream);
-    if (p->K == 64 && p->V == 64) return fq_bwd_wy2_launch_kv<64, 64>(a, nc, H, stream);
+    if (p->K == 128 && p->V == 128) return fq_bwd_wy_launch_kv<128, 128>(a, nc, H, stream);
+    if (p->K == 128 && p->V == 64) return fq_bwd_wy_launch_kv<128, 64>(a, nc, H, stream);
+    if (p->K == 64 && p->V == 128) return fq_bwd_wy_launch_kv<64, 128>(a, nc, H, stream);
+    if (p->K == 64 && p->V == 64) return fq_bwd_wy_launch_kv<64, 64>(a, nc, H, stream);
     return fq_cuda_head_dims_unsupported(p);
 }

@@ -1,11 +1,11 @@
 /*
  * gdn_cuda_bwd_state.cu — the reverse state pass (step 4 of gdn_cuda_bwd.cu):
- * bwd_state3 (the backward's version 6), dS^T held as the mma A operand, 16
+ * bwd_state, dS^T held as the mma A operand, 16
  * state columns per warp or warp pair (K-split), columns per block and
  * K-split picked by the number of chains vs SMs as in the forward's stage B;
  * one ring barrier per chunk (+ a pair barrier with the K-split). The earlier
- * reverse state passes (version 1's dS in fp32 shared memory, version 5's
- * bwd_state2 with dS in accumulators of 8 warps per 32 columns) were removed
+ * reverse state passes (dS in fp32 shared memory; then dS in accumulators of
+ * 8 warps per 32 columns) were removed
  * once superseded: see benchmarks/NOTES.md and git history (commit 4599409).
  */
 #include "gdn_cuda_bwd.cuh"
@@ -13,16 +13,16 @@
 
 #include <stdlib.h>
 
-/* ===================================================== bwd_state3 ====
+/* ===================================================== bwd_state ====
  *
- * bwd_state3: the reverse state pass laid out like the forward's stage B v2
+ * bwd_state: the reverse state pass laid out like the forward's stage B
  * (gdn_cuda_fwd_state.cu): one block per (sequence n, value head j, BV = 16 NW
  * state columns); a group of KS warps (KS = 1 or 2) owns 16 state columns v
  * and holds dS^T (16 x K, fp32) as mma accumulators, warp kh of the group the
  * K/KS state rows k0 = kh K/KS ..: lane (g, t) holds
  * dS^T[g (+8)][k0 + 8 nt + 2t (+1)], the A-operand layout of m16n8k16, so
  * both products of a chunk take their A operand from registers (the removed
- * v5: dS and dVn through shared memory, two barriers per chunk, 8 warps per
+ * predecessor: dS and dVn through shared memory, two barriers per chunk, 8 warps per
  * 32 columns). Per chunk c, last to first:
  *
  *     dS_next[c]^T = dS^T                       bf16; stored as dsl[c][K][V]
@@ -49,7 +49,7 @@
  * block reads those columns, and its copies of chunk c are complete (waited
  * for, then the barrier) before the first store.
  */
-template <int K, int NW, int NS, int KS> struct fq_state3_smem {
+template <int K, int NW, int NS, int KS> struct fq_bwd_state_smem {
     static constexpr int BV = 16 * NW, LDK = K + 8, LDB = BV + 8;
     static constexpr int b_w = 0;                    /* W  [64][K]  */
     static constexpr int b_k = b_w + 64 * LDK * 2;   /* K  [64][K]  */
@@ -75,9 +75,9 @@ static __device__ __forceinline__ void fq_bar_pair(int grp)
 }
 
 template <int K, int NW, int NS, int KS>
-__global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_args a, int V)
+__global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_args a, int V)
 {
-    typedef fq_state3_smem<K, NW, NS, KS> SM;
+    typedef fq_bwd_state_smem<K, NW, NS, KS> SM;
     constexpr int BV = SM::BV, LDK = SM::LDK, LDB = SM::LDB, NTH = NW * KS * 32;
     constexpr int KW = K / KS;  /* state rows per warp */
     constexpr int NKT = KW / 8; /* n8 tiles of dS^T per warp */
@@ -114,13 +114,13 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
                       SP % USTEP == 0, "load split");
     const int r_t = tid / CPR, c_t = (tid % CPR) * 8, r_u = tid / UPR, c_u = (tid % UPR) * 8;
     const int64_t kstride = (int64_t)H * K; /* elements between k rows */
-    struct fq_ld3_base {
+    struct fq_ld_base {
         const fq_bf16 *w, *k, *dv, *ds;
         const float *g;
         int lim; /* rows r_t + r with r < lim are real tokens */
     };
     auto ld_base = [&](int i) {
-        fq_ld3_base lb;
+        fq_ld_base lb;
         const int64_t tile = (int64_t)(si.chunk0 + i) * HV + j;
         const int row0 = si.bos + i * 64, len = min(64, si.len - i * 64);
         lb.w = a.w + (tile * 64 + r_t) * K + c_t;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
         lb.lim = len - r_t;
         return lb;
     };
-    auto load_part = [&](const fq_ld3_base &lb, int b, int part) {
+    auto load_part = [&](const fq_ld_base &lb, int b, int part) {
         unsigned char *bb = smem + b * SM::buf;
         fq_bf16 *Wd = (fq_bf16 *)(bb + SM::b_w) + r_t * LDK + c_t;
         fq_bf16 *Kd = (fq_bf16 *)(bb + SM::b_k) + r_t * LDK + c_t;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
 #pragma unroll
     for (int s = 0; s < NS - 1; s++) {
         if (s < nch) {
-            const fq_ld3_base lb = ld_base(nch - 1 - s);
+            const fq_ld_base lb = ld_base(nch - 1 - s);
 #pragma unroll
             for (int part = 0; part < NPART; part++) load_part(lb, s, part);
         }
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
         __syncthreads(); /* chunk i visible to all; buffer (st-1) % NS free */
         const int snext = st + NS - 1, bnext = snext % NS;
         const bool more = snext < nch;
-        fq_ld3_base lbn;
+        fq_ld_base lbn;
         if (more) lbn = ld_base(nch - 1 - snext);
 
         const unsigned char *bb = smem + (st % NS) * SM::buf;
@@ -274,14 +274,14 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state3_kernel(fq_bwd_a
 }
 
 template <int K, int NW, int NS, int KS>
-static fq_status fq_bwd_state3_launch_ns(const fq_bwd_args &a, int64_t blocks, int V, cudaStream_t stream)
+static fq_status fq_bwd_state_launch_ns(const fq_bwd_args &a, int64_t blocks, int V, cudaStream_t stream)
 {
-    constexpr int bytes = fq_state3_smem<K, NW, NS, KS>::bytes;
-    static_assert(bytes <= 227 * 1024, "bwd_state3: shared memory");
-    const void *fn = (const void *)fq_bwd_state3_kernel<K, NW, NS, KS>;
+    constexpr int bytes = fq_bwd_state_smem<K, NW, NS, KS>::bytes;
+    static_assert(bytes <= 227 * 1024, "bwd_state: shared memory");
+    const void *fn = (const void *)fq_bwd_state_kernel<K, NW, NS, KS>;
     fq_status st = fq_cuda_set_smem(fn, bytes);
     if (st != FQ_OK) return st;
-    fq_bwd_state3_kernel<K, NW, NS, KS><<<(unsigned)blocks, NW * KS * 32, bytes, stream>>>(a, V);
+    fq_bwd_state_kernel<K, NW, NS, KS><<<(unsigned)blocks, NW * KS * 32, bytes, stream>>>(a, V);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
@@ -291,37 +291,37 @@ static fq_status fq_bwd_state3_launch_ns(const fq_bwd_args &a, int64_t blocks, i
  * 2-deep ring lets two blocks share an SM (smem_sm: shared memory per SM,
  * 1 KB of it reserved per block). */
 template <int K, int NW, int KS>
-static fq_status fq_bwd_state3_launch_cfg(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm,
+static fq_status fq_bwd_state_launch_cfg(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm,
                                           cudaStream_t stream)
 {
-    constexpr int NSMAX = fq_state3_smem<K, NW, 4, KS>::bytes <= 227 * 1024 ? 4 : 3;
-    const bool two = 2 * (fq_state3_smem<K, NW, 2, KS>::bytes + 1024) <= smem_sm;
-    if (blocks > sms && two) return fq_bwd_state3_launch_ns<K, NW, 2, KS>(a, blocks, V, stream);
-    return fq_bwd_state3_launch_ns<K, NW, NSMAX, KS>(a, blocks, V, stream);
+    constexpr int NSMAX = fq_bwd_state_smem<K, NW, 4, KS>::bytes <= 227 * 1024 ? 4 : 3;
+    const bool two = 2 * (fq_bwd_state_smem<K, NW, 2, KS>::bytes + 1024) <= smem_sm;
+    if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS>(a, blocks, V, stream);
+    return fq_bwd_state_launch_ns<K, NW, NSMAX, KS>(a, blocks, V, stream);
 }
 
 template <int K>
-static fq_status fq_bwd_state3_launch_k(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm, int bv,
+static fq_status fq_bwd_state_launch_k(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm, int bv,
                                         int ks, cudaStream_t stream)
 {
     if (ks == 2) {
-        if (bv == 16) return fq_bwd_state3_launch_cfg<K, 1, 2>(a, blocks, V, sms, smem_sm, stream);
-        if (bv == 32) return fq_bwd_state3_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
-        return fq_bwd_state3_launch_cfg<K, 4, 2>(a, blocks, V, sms, smem_sm, stream);
+        if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, blocks, V, sms, smem_sm, stream);
+        if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
+        return fq_bwd_state_launch_cfg<K, 4, 2>(a, blocks, V, sms, smem_sm, stream);
     }
-    if (bv == 16) return fq_bwd_state3_launch_cfg<K, 1, 1>(a, blocks, V, sms, smem_sm, stream);
-    if (bv == 32) return fq_bwd_state3_launch_cfg<K, 2, 1>(a, blocks, V, sms, smem_sm, stream);
-    return fq_bwd_state3_launch_cfg<K, 4, 1>(a, blocks, V, sms, smem_sm, stream);
+    if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 1>(a, blocks, V, sms, smem_sm, stream);
+    if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 1>(a, blocks, V, sms, smem_sm, stream);
+    return fq_bwd_state_launch_cfg<K, 4, 1>(a, blocks, V, sms, smem_sm, stream);
 }
 
 /* bv: state columns per block (16, 32, 64), ks: K-split (1, 2); both 0: the
  * environment variable FLASHQLA_CUDA_BWD_STATE=BV:KS (read once; for timing
  * the alternatives) or else the pick. 0 picks as
- * the forward's stage B v2 does: K-split while every warp of it still gets an
+ * the forward's stage B does: K-split while every warp of it still gets an
  * SM sub-partition of its own (16-column groups <= 2 SMs), then 16 columns per
  * block if the groups fit the SMs one per SM, else 32; without the K-split 64
  * columns (4 warps sharing the K and W tiles). */
-fq_status fq_bwd_state3_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream)
+fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream)
 {
     if (p->N <= 0) return FQ_OK;
     int dev = 0, sms = 132;
@@ -354,9 +354,9 @@ fq_status fq_bwd_state3_launch(const fq_gdn_params *p, const fq_bwd_args &a, int
         else bv = groups <= 2 * (int64_t)sms ? 32 : 64;
     }
     if ((bv != 16 && bv != 32 && bv != 64) || V % bv != 0 || (ks != 1 && ks != 2))
-        return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state3_launch: bad bv %d / ks %d", bv, ks);
+        return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state_launch: bad bv %d / ks %d", bv, ks);
     const int64_t blocks = p->N * p->HV * (V / bv);
-    if (p->K == 128) return fq_bwd_state3_launch_k<128>(a, blocks, V, sms, smem_sm, bv, ks, stream);
-    if (p->K == 64) return fq_bwd_state3_launch_k<64>(a, blocks, V, sms, smem_sm, bv, ks, stream);
+    if (p->K == 128) return fq_bwd_state_launch_k<128>(a, blocks, V, sms, smem_sm, bv, ks, stream);
+    if (p->K == 64) return fq_bwd_state_launch_k<64>(a, blocks, V, sms, smem_sm, bv, ks, stream);
     return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld", (long long)p->K);
 }

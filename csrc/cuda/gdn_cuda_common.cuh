@@ -376,14 +376,14 @@ fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
  * launches, never synchronises. */
 fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* Stage A as the backward's recompute runs it (v3; see gdn_cuda_fwd_wy.cu). */
+/* Stage A as the backward's recompute runs it (the persistent kernel; see gdn_cuda_fwd_wy.cu). */
 fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* The two stage A kernels (same outputs): v2 (blocked A = (I+L)^-1, one
- * block per chunk and value head; fq_cuda_fwd_wy runs it) and v3 (persistent,
+/* The two stage A kernels (same outputs): the blocked one (A = (I+L)^-1, one
+ * block per chunk and value head; fq_cuda_fwd_wy runs it) and the persistent one (
  * double-buffered loads, recursive-doubling inverse; fq_cuda_fwd_wy_recompute
- * runs it). Exported for dev/cuda/check_wy3.cu. */
-fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+ * runs it). Exported for dev/cuda/check_fwd_wy.cu. */
+fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* Stage B: writes ws->h, ws->vn and, when ht != NULL, ht [N, HV, K, V] fp32.
  * bv: state columns per block, 16, 32 or 64 (16 per warp or warp pair);
  * 0 picks by the number of 16-column chains vs SMs (always valid). */
@@ -392,7 +392,7 @@ fq_status fq_cuda_fwd_state(const fq_gdn_params *p, const fq_fwd_ws *ws, float *
 /* Stage B with the K-split chosen too: ksplit 1 (one warp per 16 state
  * columns) or 2 (two warps, K/2 state rows each); 0 picks (for the
  * configuration sweep of dev/cuda/check_fwd.cu). */
-fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+fq_status fq_cuda_fwd_state_tiled(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                                 int ksplit, cudaStream_t stream);
 /* Stage C: o from q, k, gamma, h, Vn. */
 fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);

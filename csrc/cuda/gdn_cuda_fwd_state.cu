@@ -1,6 +1,6 @@
 /*
  * gdn_cuda_fwd_state.cu — forward stage B (DESIGN §2): the sequential state
- * pass, fq_fwd_state2_kernel ("v2", described below). For each chunk c of a
+ * pass, fq_fwd_state_kernel (described below). For each chunk c of a
  * sequence, with S the running state (K x V, fp32):
  *
  *     h_c = S                                          (bf16, for stage C / backward)
@@ -8,7 +8,7 @@
  *     S   = e^{gamma_C} S + K^T diag(kdecay) Vn        kdecay_r = e^{gamma_C - gamma_r} rk_r
  *
  * S_0 = h0 (zeros when NULL); the last S is the final state ht (fp32). The
- * first version (v1: S in the accumulators of 4 warps, shared-memory round
+ * first version (S in the accumulators of 4 warps, shared-memory round
  * trips each chunk) was removed once superseded: see benchmarks/NOTES.md and
  * git history (commit 4599409).
  */
@@ -37,15 +37,15 @@ struct fq_state_args {
     int ck_chunks;
 };
 
-/* ------------------------------------------------------------------ v2 ----
+/* ------------------------------------------------------ the kernel ----
  *
- * v2: one block per (sequence n, value head j, BV = 16*NW state columns).
+ * One block per (sequence n, value head j, BV = 16*NW state columns).
  * A group of KS warps (KS = 1 or 2) owns 16 state columns v and holds S^T
  * (16 x K, fp32) as mma accumulators, warp kh of the group the K/KS rows
  * k0 = kh*K/KS ..: lane (g = lane/4, t = lane%4) holds
  * S^T[g (+8)][k0 + 8 nt + 2t (+1)]. That is the A-operand layout of
  * m16n8k16, so both products of a chunk take their A operand from registers
- * (the removed v1 went through shared memory, three __syncthreads per chunk):
+ * (the removed first version went through shared memory, three __syncthreads per chunk):
  *
  *     h_c^T = S^T                               bf16, stored as h[K][V] (lane pairs
  *                                               swap halves to transpose)
@@ -64,7 +64,7 @@ struct fq_state_args {
  * cp.async ring; one __syncthreads per chunk for the ring (chunk landed,
  * previous buffer free).
  */
-template <int K, int NW, int NS, int KS> struct fq_state2_smem {
+template <int K, int NW, int NS, int KS> struct fq_fwd_state_smem {
     static constexpr int BV = 16 * NW, LDK = K + 8, LDB = BV + 8;
     static constexpr int b_w = 0;
     static constexpr int b_k = b_w + 64 * LDK * 2;
@@ -77,9 +77,9 @@ template <int K, int NW, int NS, int KS> struct fq_state2_smem {
 };
 
 template <int K, int NW, int NS, int KS>
-__global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state_args args, int V)
+__global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state_kernel(fq_state_args args, int V)
 {
-    typedef fq_state2_smem<K, NW, NS, KS> SM;
+    typedef fq_fwd_state_smem<K, NW, NS, KS> SM;
     constexpr int BV = SM::BV, LDK = SM::LDK, LDB = SM::LDB, NTH = NW * KS * 32;
     constexpr int KW = K / KS;   /* state rows per warp */
     constexpr int NKT = KW / 8;  /* n8 tiles of S^T per warp */
@@ -298,40 +298,40 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_fwd_state2_kernel(fq_state
 }
 
 template <int K, int NW, int NS, int KS>
-static fq_status fq_launch_state2_ns(const fq_state_args &args, int64_t blocks, int V, cudaStream_t stream)
+static fq_status fq_launch_state_ns(const fq_state_args &args, int64_t blocks, int V, cudaStream_t stream)
 {
-    int bytes = fq_state2_smem<K, NW, NS, KS>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_state2_kernel<K, NW, NS, KS>, bytes);
+    int bytes = fq_fwd_state_smem<K, NW, NS, KS>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_state_kernel<K, NW, NS, KS>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_state2_kernel<K, NW, NS, KS>, (unsigned)blocks, NW * KS * 32, bytes, stream,
+    return fq_launch_k(fq_fwd_state_kernel<K, NW, NS, KS>, (unsigned)blocks, NW * KS * 32, bytes, stream,
                        fq_cuda_pdl_enabled(), args, V);
 }
 
 /* One block per SM or fewer: 4-deep ring (150-210 KB); more: 2-deep, two
  * blocks per SM. */
 template <int K, int NW, int KS>
-static fq_status fq_launch_state2(const fq_state_args &args, int64_t blocks, int V, int sms,
+static fq_status fq_launch_state(const fq_state_args &args, int64_t blocks, int V, int sms,
                                   cudaStream_t stream)
 {
-    if (blocks <= sms) return fq_launch_state2_ns<K, NW, 4, KS>(args, blocks, V, stream);
-    return fq_launch_state2_ns<K, NW, 2, KS>(args, blocks, V, stream);
+    if (blocks <= sms) return fq_launch_state_ns<K, NW, 4, KS>(args, blocks, V, stream);
+    return fq_launch_state_ns<K, NW, 2, KS>(args, blocks, V, stream);
 }
 
 template <int K>
-static fq_status fq_launch_state2_k(const fq_state_args &args, int64_t blocks, int V, int sms, int bv, int ks,
+static fq_status fq_launch_state_k(const fq_state_args &args, int64_t blocks, int V, int sms, int bv, int ks,
                                     cudaStream_t stream)
 {
     if (ks == 2) {
-        if (bv == 16) return fq_launch_state2<K, 1, 2>(args, blocks, V, sms, stream);
-        if (bv == 32) return fq_launch_state2<K, 2, 2>(args, blocks, V, sms, stream);
-        return fq_launch_state2<K, 4, 2>(args, blocks, V, sms, stream);
+        if (bv == 16) return fq_launch_state<K, 1, 2>(args, blocks, V, sms, stream);
+        if (bv == 32) return fq_launch_state<K, 2, 2>(args, blocks, V, sms, stream);
+        return fq_launch_state<K, 4, 2>(args, blocks, V, sms, stream);
     }
-    if (bv == 16) return fq_launch_state2<K, 1, 1>(args, blocks, V, sms, stream);
-    if (bv == 32) return fq_launch_state2<K, 2, 1>(args, blocks, V, sms, stream);
-    return fq_launch_state2<K, 4, 1>(args, blocks, V, sms, stream);
+    if (bv == 16) return fq_launch_state<K, 1, 1>(args, blocks, V, sms, stream);
+    if (bv == 32) return fq_launch_state<K, 2, 1>(args, blocks, V, sms, stream);
+    return fq_launch_state<K, 4, 1>(args, blocks, V, sms, stream);
 }
 
-extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
+extern "C" fq_status fq_cuda_fwd_state_tiled(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                                            int ksplit, cudaStream_t stream)
 {
     if (p->N <= 0) return FQ_OK;
@@ -351,7 +351,7 @@ extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_
         else bv = groups <= 2 * (int64_t)sms ? 32 : 64;
     }
     if ((bv != 16 && bv != 32 && bv != 64) || V % bv != 0 || (ksplit != 1 && ksplit != 2))
-        return fq_fail(FQ_ERR_INTERNAL, "fq_cuda_fwd_state_v2: bad bv %d / ksplit %d", bv, ksplit);
+        return fq_fail(FQ_ERR_INTERNAL, "fq_cuda_fwd_state_tiled: bad bv %d / ksplit %d", bv, ksplit);
     fq_state_args args;
     args.seqs = ws->seqs;
     args.kb = ws->kb;
@@ -379,8 +379,8 @@ extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_
     args.cu_ck = (const int64_t *)p->cu_checkpoints;
     args.ck_chunks = (int)(p->checkpoint_every / 64);
     int64_t blocks = p->N * p->HV * (V / bv);
-    if (p->K == 128) return fq_launch_state2_k<128>(args, blocks, V, sms, bv, ksplit, stream);
-    if (p->K == 64) return fq_launch_state2_k<64>(args, blocks, V, sms, bv, ksplit, stream);
+    if (p->K == 128) return fq_launch_state_k<128>(args, blocks, V, sms, bv, ksplit, stream);
+    if (p->K == 64) return fq_launch_state_k<64>(args, blocks, V, sms, bv, ksplit, stream);
     return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld",
                    (long long)p->K);
 }
@@ -389,5 +389,5 @@ extern "C" fq_status fq_cuda_fwd_state_v2x(const fq_gdn_params *p, const fq_fwd_
 extern "C" fq_status fq_cuda_fwd_state(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
                                        cudaStream_t stream)
 {
-    return fq_cuda_fwd_state_v2x(p, ws, ht, bv, 0, stream);
+    return fq_cuda_fwd_state_tiled(p, ws, ht, bv, 0, stream);
 }

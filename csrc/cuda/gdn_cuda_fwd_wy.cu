@@ -1,12 +1,14 @@
 /*
  * gdn_cuda_fwd_wy.cu — forward stage A (DESIGN §2), per (chunk, value head).
- * Two kernels with the same outputs: v2 (fq_fwd_wy2_kernel, one block per
- * (chunk, value head), blocked inverse), run by the forward (fq_cuda_fwd_wy),
- * and v3 (fq_fwd_wy3_kernel, persistent, double-buffered loads, recursive-
- * doubling inverse), run by the backward's recompute
- * (fq_cuda_fwd_wy_recompute). The first version (v1: column-per-thread
- * 64-row forward substitution) was removed once superseded: see
- * benchmarks/NOTES.md and git history (commit 4599409).
+ * Two kernels with the same outputs: the blocked one (fq_fwd_wy_blocked_kernel,
+ * one block per (chunk, value head), blocked inverse), run by the three-stage
+ * forward (fq_cuda_fwd_wy), and the persistent one
+ * (fq_fwd_wy_persistent_kernel, double-buffered loads, recursive-doubling
+ * inverse), run by the backward's recompute (fq_cuda_fwd_wy_recompute). A
+ * third, fq_fwd_inverse_kernel (at the end), is the fused forward's stage A:
+ * gamma, A'' = A diag(beta) and the gate record only. The first version
+ * (column-per-thread 64-row forward substitution) was removed once
+ * superseded: see benchmarks/NOTES.md and git history (commit 4599409).
  *
  *     gamma_r = sum_{s <= r} g_s                                  (fp32)
  *     L       = strict_lower( diag(beta) (K K^T ⊙ Gamma) )        Gamma_rs = e^{gamma_r - gamma_s}
@@ -34,10 +36,10 @@ struct fq_wy_args {
     float scale; /* fq_fwd_inverse_kernel: o's scale, for the record           */
 };
 
-/* ------------------------------------------------------------------ v2 ----
+/* ------------------------------------------------------------- blocked ----
  *
- * Same outputs as the removed v1, restructured so that no thread runs a long
- * serial chain (v1: one thread per column walked all 64 rows, ~3000
+ * Same outputs as the removed first version, restructured so that no thread
+ * runs a long serial chain (it had one thread per column walked all 64 rows, ~3000
  * straight-line instructions, ~18 us per block):
  *
  *   L      K K^T by mma; only the 16x16 blocks on or below the diagonal
@@ -54,35 +56,35 @@ struct fq_wy_args {
  *
  * A stays fp32 until it is an mma operand (or ws->a).
  */
-#define FQ_WY2_LDF 72 /* fp32 row stride of L and A: conflict-free float2 fragment reads */
+#define FQ_WY_LDF 72 /* fp32 row stride of L and A: conflict-free float2 fragment reads */
 
 /* K, L, A tiles; V is loaded only once L is dead, into L's place (64 x LDV
- * bf16 <= 64 x FQ_WY2_LDF fp32 for V <= 128), while W is computed: 54 KB at
+ * bf16 <= 64 x FQ_WY_LDF fp32 for V <= 128), while W is computed: 54 KB at
  * K = V = 128, 4 blocks per SM (the first layout kept V beside L: 72 KB, 3
  * blocks; benchmarks/NOTES.md, "lean stage A"). */
-template <int K, int V> struct fq_wy2_smem {
+template <int K, int V> struct fq_wy_blocked_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
     static constexpr int off_k = 0;
     static constexpr int off_l = off_k + 64 * LDK * 2;
     static constexpr int off_v = off_l;
-    static constexpr int off_a = off_l + 64 * FQ_WY2_LDF * 4;
-    static constexpr int off_vec = off_a + 64 * FQ_WY2_LDF * 4;
+    static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
+    static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
     static constexpr int bytes = off_vec + 4 * 64 * 4;
-    static_assert(64 * LDV * 2 <= 64 * FQ_WY2_LDF * 4, "V tile must fit in L's place");
+    static_assert(64 * LDV * 2 <= 64 * FQ_WY_LDF * 4, "V tile must fit in L's place");
 };
 
 /* acc[0..7] += (X Y)[r][cb..cb+7] for 16x16 fp32 blocks X, Y in shared memory
- * (row stride FQ_WY2_LDF). Lanes: r = lane / 2, cb = 8 (lane % 2). */
+ * (row stride FQ_WY_LDF). Lanes: r = lane / 2, cb = 8 (lane % 2). */
 static __device__ __forceinline__ void fq_mm16_acc(float acc[8], const float *X, const float *Y, int r, int cb)
 {
 #pragma unroll
     for (int k0 = 0; k0 < 16; k0 += 4) {
-        const float4 x = *(const float4 *)(X + r * FQ_WY2_LDF + k0);
+        const float4 x = *(const float4 *)(X + r * FQ_WY_LDF + k0);
         const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            const float4 y0 = *(const float4 *)(Y + (k0 + kk) * FQ_WY2_LDF + cb);
-            const float4 y1 = *(const float4 *)(Y + (k0 + kk) * FQ_WY2_LDF + cb + 4);
+            const float4 y0 = *(const float4 *)(Y + (k0 + kk) * FQ_WY_LDF + cb);
+            const float4 y1 = *(const float4 *)(Y + (k0 + kk) * FQ_WY_LDF + cb + 4);
             acc[0] += xs[kk] * y0.x;
             acc[1] += xs[kk] * y0.y;
             acc[2] += xs[kk] * y0.z;
@@ -100,7 +102,7 @@ static __device__ __forceinline__ void fq_mm16_acc(float acc[8], const float *X,
  * factor per column of A, B bf16 [64][*] in shared memory (row stride ldb);
  * out bf16 in global memory (row stride ld). */
 template <int NC>
-static __device__ __forceinline__ void fq_wy2_apply(const float *Af, const float *f, const fq_bf16 *Bs, int ldb,
+static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float *f, const fq_bf16 *Bs, int ldb,
                                                     int c0, fq_bf16 *out, int ld)
 {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
@@ -114,9 +116,9 @@ static __device__ __forceinline__ void fq_wy2_apply(const float *Af, const float
         for (int kk = 0; kk <= m; kk++) {
             const int ca = 16 * kk + 2 * tq;
             const float2 f0 = *(const float2 *)(f + ca), f8 = *(const float2 *)(f + ca + 8);
-            const float *ar = Af + (16 * m + gq) * FQ_WY2_LDF + ca;
-            const float2 p00 = *(const float2 *)ar, p10 = *(const float2 *)(ar + 8 * FQ_WY2_LDF);
-            const float2 p01 = *(const float2 *)(ar + 8), p11 = *(const float2 *)(ar + 8 * FQ_WY2_LDF + 8);
+            const float *ar = Af + (16 * m + gq) * FQ_WY_LDF + ca;
+            const float2 p00 = *(const float2 *)ar, p10 = *(const float2 *)(ar + 8 * FQ_WY_LDF);
+            const float2 p01 = *(const float2 *)(ar + 8), p11 = *(const float2 *)(ar + 8 * FQ_WY_LDF + 8);
             uint32_t a[4];
             a[0] = fq_pack_bf16(p00.x * f0.x, p00.y * f0.y);
             a[1] = fq_pack_bf16(p10.x * f0.x, p10.y * f0.y);
@@ -139,8 +141,8 @@ static __device__ __forceinline__ void fq_wy2_apply(const float *Af, const float
     }
 }
 
-/* Shared by the v2 and v3 kernels (one 64-token chunk, 4 warps, fp32 tiles of
- * row stride FQ_WY2_LDF in shared memory):
+/* Shared by the blocked and persistent kernels (one 64-token chunk, 4 warps, fp32 tiles of
+ * row stride FQ_WY_LDF in shared memory):
  * L = strict_lower(diag(beta) (K K^T ⊙ Gamma)), scaled by the inverse key norms
  * rk: warp w writes rows 16w..16w+15, column blocks 0..w (the blocks above stay
  * unwritten: the callers use them as scratch). */
@@ -149,7 +151,7 @@ static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf,
                                                    const float *bet, const float *rkv, int warp, int gq,
                                                    int tq)
 {
-    constexpr int LDF = FQ_WY2_LDF;
+    constexpr int LDF = FQ_WY_LDF;
     float acc[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -226,7 +228,7 @@ static __device__ __forceinline__ void fq_wy_gate_scan(float gv[2], const float 
  * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c]; written to Af's block (w, w). */
 static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float *Af, int warp, int lane)
 {
-    constexpr int LDF = FQ_WY2_LDF;
+    constexpr int LDF = FQ_WY_LDF;
     const int b = 16 * warp, c = lane & 15;
     float x[16];
 #pragma unroll
@@ -256,7 +258,7 @@ static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float
 static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64_t tile, const float *Af,
                                                    const float *gam, const float *rkv, int len, int tid)
 {
-    constexpr int LDF = FQ_WY2_LDF;
+    constexpr int LDF = FQ_WY_LDF;
     if (args.a) {
         fq_bf16 *ag = args.a + tile * 64;
         for (int idx = tid; idx < 64 * 8; idx += 128) {
@@ -277,10 +279,10 @@ static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64
 }
 
 template <int K, int V>
-__global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
+__global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args args)
 {
-    typedef fq_wy2_smem<K, V> SM;
-    constexpr int LDF = FQ_WY2_LDF;
+    typedef fq_wy_blocked_smem<K, V> SM;
+    constexpr int LDF = FQ_WY_LDF;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *Ks = (fq_bf16 *)(smem + SM::off_k);
     fq_bf16 *Vs = (fq_bf16 *)(smem + SM::off_v);
@@ -381,14 +383,14 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy2_kernel(fq_wy_args args)
     const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
     load_v();
     fq_cp_async_commit();
-    fq_wy2_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+    fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
     fq_cp_async_wait<0>();
     __syncthreads();
-    fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
+    fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
     fq_wy_store(args, tile, Af, gam, rkv, ci.len, tid);
 }
 
-/* The kernels' arguments, the same for v2 and v3. */
+/* The kernels' arguments, the same for all three. */
 static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
 {
     fq_wy_args args;
@@ -413,30 +415,30 @@ static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
 }
 
 template <int K, int V>
-static fq_status fq_launch_wy2(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+static fq_status fq_launch_wy_blocked(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
 {
-    int bytes = fq_wy2_smem<K, V>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy2_kernel<K, V>, bytes);
+    int bytes = fq_wy_blocked_smem<K, V>::bytes;
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_blocked_kernel<K, V>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_wy2_kernel<K, V>, (unsigned)blocks, 128, bytes, stream,
+    return fq_launch_k(fq_fwd_wy_blocked_kernel<K, V>, (unsigned)blocks, 128, bytes, stream,
                        fq_cuda_pdl_enabled(), args);
 }
 
-extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+extern "C" fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     int64_t blocks = ws->nc_max * p->HV;
     if (blocks <= 0) return FQ_OK;
     const fq_wy_args args = fq_wy_args_of(p, ws);
-    if (p->K == 128 && p->V == 128) return fq_launch_wy2<128, 128>(args, blocks, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy2<128, 64>(args, blocks, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy2<64, 128>(args, blocks, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy2<64, 64>(args, blocks, stream);
+    if (p->K == 128 && p->V == 128) return fq_launch_wy_blocked<128, 128>(args, blocks, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy_blocked<128, 64>(args, blocks, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy_blocked<64, 128>(args, blocks, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy_blocked<64, 64>(args, blocks, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 
-/* ------------------------------------------------------------------ v3 ----
+/* ---------------------------------------------------------- persistent ----
  *
- * Same outputs as v2 (same L, same diagonal inverses, same W/U code), made
+ * Same outputs as the blocked kernel (same L, same diagonal inverses, same W/U code), made
  * persistent and pipelined, and with a shallower inverse:
  *
  *   grid    min(items, SMs x blocks per SM) blocks of 128 threads (2 per SM by
@@ -447,19 +449,19 @@ extern "C" fq_status fq_cuda_fwd_wy_v2(const fq_gdn_params *p, const fq_fwd_ws *
  *           registers of warp 0 meanwhile and its chunk-table entry is read one
  *           item earlier still, so no load latency is on the critical path;
  *           W, U stores are fire-and-forget as before
- *   A       (I + L)^-1 by recursive doubling on the 16x16 blocks (v2: column
+ *   A       (I + L)^-1 by recursive doubling on the 16x16 blocks (blocked: column
  *           block by column block, 9 dependent 16^3 products on warp 0):
- *             D_i  = (I + L_ii)^-1                              4 warps (as v2)
+ *             D_i  = (I + L_ii)^-1                              4 warps (as blocked)
  *             A_10 = -D_1 (L_10 D_0),  A_32 = -D_3 (L_32 D_2)     warps 0, 1
  *             T_ij = sum_k L_ik Inv0_kj   (i = 2,3; j = 0,1;  Inv0 = [D_0 0; A_10 D_1])
  *                    T_2j = L_20 D_0 + L_21 A_10 (j = 0), L_21 D_1 (j = 1); T_3j likewise
  *             A_2j = -D_2 T_2j,  A_3j = -(A_32 T_2j + D_3 T_3j)      warp w: (2 + w/2, w%2)
  *           (the 2x2 block rule [P 0; Q R]^-1 = [P^-1 0; -R^-1 Q P^-1 R^-1]
  *           applied at 32 then 64 rows): 6 dependent products, all fp32 FFMA
- *           from shared memory as in v2 (other association order only).
+ *           from shared memory as in the blocked kernel (other association order only).
  *           Scratch T: the blocks above the diagonal of Lf (never written by L).
  */
-template <int K, int V> struct fq_wy3_smem {
+template <int K, int V> struct fq_wy_persistent_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
     static constexpr int kbytes = 64 * LDK * 2, vbytes = 64 * LDV * 2;
     static constexpr int off_k0 = 0;
@@ -467,15 +469,15 @@ template <int K, int V> struct fq_wy3_smem {
     static constexpr int off_k1 = off_v0 + vbytes;
     static constexpr int off_v1 = off_k1 + kbytes;
     static constexpr int off_l = off_v1 + vbytes;
-    static constexpr int off_a = off_l + 64 * FQ_WY2_LDF * 4;
-    static constexpr int off_vec = off_a + 64 * FQ_WY2_LDF * 4;
+    static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
+    static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
     static constexpr int bytes = off_vec + 4 * 64 * 4;
 };
 
 /* One 16x16 fp32 block product into shared memory, one warp:
  * out = sign * (X0 Y0 [+ X1 Y1]) (X1 == NULL: one term); all blocks row
- * stride FQ_WY2_LDF. out must not alias an input. */
-static __device__ __forceinline__ void fq_wy3_blk(float *out, float sign, const float *X0, const float *Y0,
+ * stride FQ_WY_LDF. out must not alias an input. */
+static __device__ __forceinline__ void fq_wy_blk_product(float *out, float sign, const float *X0, const float *Y0,
                                                   const float *X1, const float *Y1)
 {
     const int lane = threadIdx.x & 31, r = lane >> 1, cb = (lane & 1) * 8;
@@ -484,7 +486,7 @@ static __device__ __forceinline__ void fq_wy3_blk(float *out, float sign, const 
     for (int e = 0; e < 8; e++) acc[e] = 0.f;
     fq_mm16_acc(acc, X0, Y0, r, cb);
     if (X1) fq_mm16_acc(acc, X1, Y1, r, cb);
-    float *dst = out + r * FQ_WY2_LDF + cb;
+    float *dst = out + r * FQ_WY_LDF + cb;
     *(float4 *)dst = make_float4(sign * acc[0], sign * acc[1], sign * acc[2], sign * acc[3]);
     *(float4 *)(dst + 4) = make_float4(sign * acc[4], sign * acc[5], sign * acc[6], sign * acc[7]);
 }
@@ -492,10 +494,10 @@ static __device__ __forceinline__ void fq_wy3_blk(float *out, float sign, const 
 /* K, V rows of chunk ci (value head j, q/k head hq) -> shared, asynchronously
  * (zeros past len). No commit. */
 template <int K, int V>
-static __device__ __forceinline__ void fq_wy3_issue(const fq_wy_args &args, fq_chunk_info ci, int j, fq_bf16 *Ks,
+static __device__ __forceinline__ void fq_wy_issue_loads(const fq_wy_args &args, fq_chunk_info ci, int j, fq_bf16 *Ks,
                                                     fq_bf16 *Vs)
 {
-    typedef fq_wy3_smem<K, V> SM;
+    typedef fq_wy_persistent_smem<K, V> SM;
     const int tid = threadIdx.x, hq = j / (args.HV / args.H);
     for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
         int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
@@ -515,7 +517,7 @@ static __device__ __forceinline__ void fq_wy3_issue(const fq_wy_args &args, fq_c
 
 /* g, beta, rk of tokens lane and lane + 32 of chunk ci (zeros past len, or
  * everywhere when ci.seq < 0), into registers; warp 0 only. */
-static __device__ __forceinline__ fq_chunk_info fq_wy3_chunk(const fq_wy_args &args, int64_t it, int64_t items)
+static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_args &args, int64_t it, int64_t items)
 {
     fq_chunk_info ci;
     if (it < items) {
@@ -528,10 +530,10 @@ static __device__ __forceinline__ fq_chunk_info fq_wy3_chunk(const fq_wy_args &a
 }
 
 template <int K, int V>
-__global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int64_t items)
+__global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
 {
-    typedef fq_wy3_smem<K, V> SM;
-    constexpr int LDF = FQ_WY2_LDF;
+    typedef fq_wy_persistent_smem<K, V> SM;
+    constexpr int LDF = FQ_WY_LDF;
     extern __shared__ __align__(16) unsigned char smem[];
     float *Lf = (float *)(smem + SM::off_l);
     float *Af = (float *)(smem + SM::off_a);
@@ -546,10 +548,10 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
     /* prologue: item blockIdx.x's tiles and gates in flight, the next item's
      * chunk-table entry read */
     int64_t it = blockIdx.x;
-    fq_chunk_info ci = fq_wy3_chunk(args, it, items);
-    fq_chunk_info cn = fq_wy3_chunk(args, it + stride, items);
+    fq_chunk_info ci = fq_wy_item_chunk(args, it, items);
+    fq_chunk_info cn = fq_wy_item_chunk(args, it + stride, items);
     if (ci.seq >= 0)
-        fq_wy3_issue<K, V>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
+        fq_wy_issue_loads<K, V>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
     if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
@@ -557,13 +559,13 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
 #pragma unroll 1
     for (int buf = 0; it < items; it += stride, buf ^= 1) {
         const int64_t nit = it + stride;
-        const fq_chunk_info cnn = fq_wy3_chunk(args, nit + stride, items); /* used two items on */
+        const fq_chunk_info cnn = fq_wy_item_chunk(args, nit + stride, items); /* used two items on */
         fq_bf16 *Ks = (fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k0));
         fq_bf16 *Vs = (fq_bf16 *)(smem + (buf ? SM::off_v1 : SM::off_v0));
 
         __syncthreads(); /* the previous item is done with Lf, Af, vec and buffer buf ^ 1 */
         if (cn.seq >= 0)
-            fq_wy3_issue<K, V>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
+            fq_wy_issue_loads<K, V>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
         fq_cp_async_commit();
 
@@ -577,7 +579,7 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
         __syncthreads();
 
         if (ci.seq >= 0) { /* block-uniform */
-            fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq); /* L (as v2) */
+            fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq); /* L (as blocked) */
             __syncthreads();
 
             fq_wy_diag_inverse(Lf, Af, warp, lane); /* D_w = (I + L_ww)^-1 */
@@ -589,9 +591,9 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
             if (warp < 2) {
                 const int p = 2 * warp; /* 0 or 2 */
                 float *T = FQ_WY3_BLK(Lf, p, p + 1);
-                fq_wy3_blk(T, 1.f, FQ_WY3_BLK(Lf, p + 1, p), FQ_WY3_BLK(Af, p, p), NULL, NULL);
+                fq_wy_blk_product(T, 1.f, FQ_WY3_BLK(Lf, p + 1, p), FQ_WY3_BLK(Af, p, p), NULL, NULL);
                 __syncwarp();
-                fq_wy3_blk(FQ_WY3_BLK(Af, p + 1, p), -1.f, FQ_WY3_BLK(Af, p + 1, p + 1), T, NULL, NULL);
+                fq_wy_blk_product(FQ_WY3_BLK(Af, p + 1, p), -1.f, FQ_WY3_BLK(Af, p + 1, p + 1), T, NULL, NULL);
             }
             __syncthreads();
             /* T_ij = sum_k L_ik Inv0_kj, warp w: i = 2 + w / 2, j = w % 2, into
@@ -600,10 +602,10 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
                 const int i = 2 + (warp >> 1), jc = warp & 1;
                 float *T = FQ_WY3_BLK(Lf, i - 2, jc + 2);
                 if (jc == 0)
-                    fq_wy3_blk(T, 1.f, FQ_WY3_BLK(Lf, i, 0), FQ_WY3_BLK(Af, 0, 0), FQ_WY3_BLK(Lf, i, 1),
+                    fq_wy_blk_product(T, 1.f, FQ_WY3_BLK(Lf, i, 0), FQ_WY3_BLK(Af, 0, 0), FQ_WY3_BLK(Lf, i, 1),
                                FQ_WY3_BLK(Af, 1, 0));
                 else
-                    fq_wy3_blk(T, 1.f, FQ_WY3_BLK(Lf, i, 1), FQ_WY3_BLK(Af, 1, 1), NULL, NULL);
+                    fq_wy_blk_product(T, 1.f, FQ_WY3_BLK(Lf, i, 1), FQ_WY3_BLK(Af, 1, 1), NULL, NULL);
             }
             __syncthreads();
             /* A_2j = -D_2 T_2j, A_3j = -(A_32 T_2j + D_3 T_3j) */
@@ -611,17 +613,17 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
                 const int i = 2 + (warp >> 1), jc = warp & 1;
                 const float *T2 = FQ_WY3_BLK(Lf, 0, jc + 2), *T3 = FQ_WY3_BLK(Lf, 1, jc + 2);
                 if (i == 2)
-                    fq_wy3_blk(FQ_WY3_BLK(Af, 2, jc), -1.f, FQ_WY3_BLK(Af, 2, 2), T2, NULL, NULL);
+                    fq_wy_blk_product(FQ_WY3_BLK(Af, 2, jc), -1.f, FQ_WY3_BLK(Af, 2, 2), T2, NULL, NULL);
                 else
-                    fq_wy3_blk(FQ_WY3_BLK(Af, 3, jc), -1.f, FQ_WY3_BLK(Af, 3, 2), T2, FQ_WY3_BLK(Af, 3, 3), T3);
+                    fq_wy_blk_product(FQ_WY3_BLK(Af, 3, jc), -1.f, FQ_WY3_BLK(Af, 3, 2), T2, FQ_WY3_BLK(Af, 3, 3), T3);
             }
 #undef FQ_WY3_BLK
             __syncthreads();
 
-            /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as v2) */
+            /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as blocked) */
             const int64_t tile = it * 64; /* (chunk * HV + j) * 64 */
-            fq_wy2_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
-            fq_wy2_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
+            fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+            fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
             fq_wy_store(args, tile, Af, gam, rkv, ci.len, tid);
         }
         ci = cn;
@@ -631,35 +633,35 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy3_kernel(fq_wy_args args, int
 }
 
 template <int K, int V>
-static fq_status fq_launch_wy3(const fq_wy_args &args, int64_t items, cudaStream_t stream)
+static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, cudaStream_t stream)
 {
-    int bytes = fq_wy3_smem<K, V>::bytes;
+    int bytes = fq_wy_persistent_smem<K, V>::bytes;
     int dev = 0, sms = 0, per_sm = 0, optin = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if (optin < bytes) return fq_launch_wy2<K, V>(args, items, stream); /* small-smem GPUs: v2 */
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy3_kernel<K, V>, bytes);
+    if (optin < bytes) return fq_launch_wy_blocked<K, V>(args, items, stream); /* small-smem GPUs: the blocked kernel */
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_persistent_kernel<K, V>, bytes);
     if (st != FQ_OK) return st;
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy3_kernel<K, V>, 128, bytes));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy_persistent_kernel<K, V>, 128, bytes));
     if (per_sm < 1) per_sm = 1;
     int64_t blocks = (int64_t)sms * per_sm;
     if (blocks > items) blocks = items;
     if (blocks < 1) blocks = 1;
-    fq_fwd_wy3_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
+    fq_fwd_wy_persistent_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
 
-extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     int64_t items = ws->nc_max * p->HV;
     if (items <= 0) return FQ_OK;
     const fq_wy_args args = fq_wy_args_of(p, ws);
-    if (p->K == 128 && p->V == 128) return fq_launch_wy3<128, 128>(args, items, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy3<128, 64>(args, items, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy3<64, 128>(args, items, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy3<64, 64>(args, items, stream);
+    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128>(args, items, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64>(args, items, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128>(args, items, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64>(args, items, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 
@@ -674,7 +676,7 @@ extern "C" fq_status fq_cuda_fwd_wy_v3(const fq_gdn_params *p, const fq_fwd_ws *
  *     rec   = the gate record (FQ_REC_*: gamma, the row and column factors,
  *             beta, e^{gamma_C}) the fused kernel reads
  *
- * Everything stays in registers and tensor cores (v2 and v3 above solve the
+ * Everything stays in registers and tensor cores (the blocked and persistent kernels above solve the
  * off-diagonal blocks in fp32 FFMA from shared memory, warp 0 doing most of
  * them): warp w holds block row w of L as mma.sync accumulators (rows
  * 16w..16w+15), and A is built by the 2x2 block rule
@@ -956,7 +958,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
         }
     };
     int64_t it = blockIdx.x;
-    fq_chunk_info ci = fq_wy3_chunk(args, it, items);
+    fq_chunk_info ci = fq_wy_item_chunk(args, it, items);
     issue(ci, it, 0);
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
@@ -964,7 +966,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
 #pragma unroll 1
     for (int buf = 0; it < items; it += stride, buf ^= 1) {
         const int64_t nit = it + stride;
-        const fq_chunk_info cn = fq_wy3_chunk(args, nit, items);
+        const fq_chunk_info cn = fq_wy_item_chunk(args, nit, items);
         __syncthreads(); /* the previous item is done with A, the scratch, the vectors and buffer buf ^ 1 */
         issue(cn, nit, buf ^ 1);
         fq_cp_async_commit();
@@ -1013,17 +1015,18 @@ extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws
 }
 
 /* ------------------------------------------------------- dispatchers ----
- * The forward always runs v2: on the H200 the persistent v3 made the whole
- * forward 4-8% slower (benchmarks/NOTES.md, "Stage A v3"). */
+ * The three-stage forward runs the blocked kernel: on the H200 the persistent
+ * one made the whole forward 4-8% slower (benchmarks/NOTES.md, "Stage A v3",
+ * the persistent kernel's first name). */
 extern "C" fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
-    return fq_cuda_fwd_wy_v2(p, ws, stream);
+    return fq_cuda_fwd_wy_blocked(p, ws, stream);
 }
 
-/* The backward's recompute always runs v3: the backward rows of
- * benchmarks/results were measured with it; v2 there is not measured. */
+/* The backward's recompute runs the persistent kernel: the backward rows of
+ * benchmarks/results were measured with it; the blocked one there is not. */
 extern "C" fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws,
                                               cudaStream_t stream)
 {
-    return fq_cuda_fwd_wy_v3(p, ws, stream);
+    return fq_cuda_fwd_wy_persistent(p, ws, stream);
 }

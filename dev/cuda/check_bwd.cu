@@ -14,7 +14,7 @@
  *   /tmp/check_bwd small    (four small cases, for compute-sanitizer)
  * or simply: bash dev/cuda/run_check_bwd.sh
  *
- * It checks the one backward the library has (version 6 of
+ * It checks the one backward the library has (the measured one of
  * benchmarks/NOTES.md; versions 1-5 were removed, see git history, commit
  * 4599409). FLASHQLA_CUDA_BWD_STATE=BV:KS in the environment forces a
  * configuration of the reverse state pass (gdn_cuda_bwd_state.cu).

@@ -13,11 +13,11 @@
  *        /tmp/gdn_common.o && /tmp/check_fwd
  *
  * The main shapes run each stage B configuration explicitly (bvNN: state
- * columns per block, ksN: K-split; fq_cuda_fwd_state_v2x), the others the
+ * columns per block, ksN: K-split; fq_cuda_fwd_state_tiled), the others the
  * forward as the library runs it (automatic configuration); the timings list
- * the stages and every stage B configuration. (The superseded v1 stages were removed, and with them the
- * v1-vs-v2 comparisons of this driver: git history, commit 4599409; stage A
- * v2 vs v3 is dev/cuda/check_wy3.cu.) The last lines are a summary table.
+ * the stages and every stage B configuration. (The superseded first stages were removed, and with them this driver's
+ * comparisons against them: git history, commit 4599409; stage A's blocked
+ * kernel vs its persistent one is dev/cuda/check_fwd_wy.cu.) The last lines are a summary table.
  * Modes: `/tmp/check_fwd` (everything),
  * `quick` (no T = 32768 case, no timings), `tiny` (four small problems, every
  * kernel variant: memcheck, forced PTX JIT), `race` (two, for racecheck).
@@ -303,7 +303,7 @@ static fq_status run_fwd_cfg(fq_gdn_params *p, const Cfg &c)
     fq_status st;
     if ((st = fq_cuda_fwd_prepare(p, &ws, s)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_wy(p, &ws, s)) != FQ_OK) return st;
-    st = fq_cuda_fwd_state_v2x(p, &ws, (float *)p->ht, c.bv, c.ks, s);
+    st = fq_cuda_fwd_state_tiled(p, &ws, (float *)p->ht, c.bv, c.ks, s);
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_output(p, &ws, s)) != FQ_OK) return st;
     return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, s);
@@ -590,7 +590,7 @@ static void run_stage(fq_gdn_params *p, const fq_fwd_ws *ws, int what)
     case 1: st = fq_cuda_chunk_fwd(p); break;
     case 2: st = fq_cuda_fwd_prepare(p, ws, s); break;
     case 4: st = fq_cuda_fwd_wy(p, ws, s); break;
-    case 6: st = fq_cuda_fwd_state_v2x(p, ws, (float *)p->ht, g_time_bv, g_time_ks, s); break;
+    case 6: st = fq_cuda_fwd_state_tiled(p, ws, (float *)p->ht, g_time_bv, g_time_ks, s); break;
     case 8: st = fq_cuda_recurrent(p); break;
     case 9: st = fq_cuda_fwd_output(p, ws, s); break;
     case 10: st = fq_cuda_fwd_inverse(p, ws, s); break;
@@ -680,7 +680,7 @@ static void time_recurrent(int N, int H, int HV, int T)
 
 /* stage A of the fused forward (fq_cuda_fwd_inverse: A = (I+L)^-1 by
  * bf16 block products, and the gate record) against stage A of the
- * three-stage forward (fq_cuda_fwd_wy_v2 with ws->a set: fp32 blocks) */
+ * three-stage forward (fq_cuda_fwd_wy_blocked with ws->a set: fp32 blocks) */
 static void check_inverse(int K, int l2norm)
 {
     Problem pb = {};
@@ -698,7 +698,7 @@ static void check_inverse(int K, int l2norm)
     CK(cudaMemset(a_old, 0xff, na * 2));
     wo.a = a_old;
     fq_status st = fq_cuda_fwd_prepare(&p, &wo, 0);
-    if (st == FQ_OK) st = fq_cuda_fwd_wy_v2(&p, &wo, 0);
+    if (st == FQ_OK) st = fq_cuda_fwd_wy_blocked(&p, &wo, 0);
     CK(cudaDeviceSynchronize());
     std::vector<float> A0 = download_typed(a_old, FQ_BF16, na), G0 = download_typed(wo.gamma, FQ_F32, nit * 64);
     std::vector<fq_chunk_info> ch(wo.nc_max);
@@ -709,7 +709,7 @@ static void check_inverse(int K, int l2norm)
     if (st == FQ_OK) st = fq_cuda_fwd_inverse(&p, &wf, 0);
     CK(cudaDeviceSynchronize());
     char name[96];
-    snprintf(name, sizeof name, "stage A inverse vs v2, K=%d%s, varlen", K, l2norm ? " l2norm" : "");
+    snprintf(name, sizeof name, "stage A inverse vs blocked, K=%d%s, varlen", K, l2norm ? " l2norm" : "");
     if (st != FQ_OK) {
         printf("  %-46s FAIL status %d: %s\n", name, (int)st, fq_last_error());
         g_fail = 1;

@@ -1,16 +1,18 @@
 /*
- * check_wy3.cu — stage A v3 (fq_cuda_fwd_wy_v3) against v2 (fq_cuda_fwd_wy_v2)
+ * check_fwd_wy.cu — stage A's persistent kernel (fq_cuda_fwd_wy_persistent) against the blocked one (fq_cuda_fwd_wy_blocked)
  * on the same prepared workspace: A (bf16), W, U (bf16), gamma, kdecay (fp32)
- * of every real chunk tile must agree to bf16 rounding noise (v3 changes only
+ * of every real chunk tile must agree to bf16 rounding noise (the persistent kernel changes only
  * the fp32 association order of the off-diagonal blocks of A); then times
  * both (CUDA events, median of 20) at H/HV = 16/32, K = V = 128.
  *
  * Build and run from the repo root on the GPU machine:
- *   B=/tmp/fqwy3; mkdir -p $B; gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o
+ *   B=/tmp/fqwy; mkdir -p $B; gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o
  *   nvcc -std=c++17 -O3 --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a \
- *     -o $B/check_wy3 dev/cuda/check_wy3.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu \
- *     csrc/cuda/gdn_cuda_fwd_state.cu csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_recurrent.cu $B/gdn_common.o
- *   $B/check_wy3          # exit 0: all ok
+ *     -o $B/check_fwd_wy dev/cuda/check_fwd_wy.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu \
+ *     csrc/cuda/gdn_cuda_fwd_state.cu csrc/cuda/gdn_cuda_fwd_output.cu csrc/cuda/gdn_cuda_fwd_fused.cu \
+ *     csrc/cuda/gdn_cuda_fwd_checkpoints.cu csrc/cuda/gdn_cuda_gates.cu csrc/cuda/gdn_cuda_recurrent.cu \
+ *     csrc/cuda/gdn_cuda_commit.cu csrc/cuda/gdn_cuda_runtime.cu $B/gdn_common.o
+ *   $B/check_fwd_wy          # exit 0: all ok
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,7 +152,7 @@ static void run_case(const Case &c)
         CK(cudaMemset(ws.gamma, 0xff, ntile * 64 * 4));
         CK(cudaMemset(ws.kdecay, 0xff, ntile * 64 * 4));
         CK(cudaMemset(da, 0xff, ntile * 64 * 64 * 2));
-        fq_status st = ver ? fq_cuda_fwd_wy_v3(&p, &ws, 0) : fq_cuda_fwd_wy_v2(&p, &ws, 0);
+        fq_status st = ver ? fq_cuda_fwd_wy_persistent(&p, &ws, 0) : fq_cuda_fwd_wy_blocked(&p, &ws, 0);
         CK(cudaDeviceSynchronize());
         if (st != FQ_OK) { printf("%s: v%d failed: %s\n", c.name, ver + 2, fq_last_error()); g_fail = 1; return; }
         res[ver][0] = dl_bf16(da, ntile * 64 * 64);
@@ -178,15 +180,15 @@ static void run_case(const Case &c)
         double rel = den > 0 ? sqrt(num / den) : sqrt(num);
         int ok = bad == 0 && rel <= tol[i] && nreal > 0;
         if (!ok) g_fail = 1;
-        printf("  %-34s %-7s v3 vs v2 rel %.3e max|d| %.3e nonfinite %zu tiles %zu %s\n", c.name, what[i], rel, maxd,
+        printf("  %-34s %-7s persistent vs blocked rel %.3e max|d| %.3e nonfinite %zu tiles %zu %s\n", c.name, what[i], rel, maxd,
                bad, nreal, ok ? "ok" : "FAIL");
     }
     if (c.timed) {
         ws.a = NULL; /* the forward's configuration */
-        float t2 = time_ms(fq_cuda_fwd_wy_v2, &p, &ws), t3 = time_ms(fq_cuda_fwd_wy_v3, &p, &ws);
+        float t2 = time_ms(fq_cuda_fwd_wy_blocked, &p, &ws), t3 = time_ms(fq_cuda_fwd_wy_persistent, &p, &ws);
         ws.a = da;
-        float t2a = time_ms(fq_cuda_fwd_wy_v2, &p, &ws), t3a = time_ms(fq_cuda_fwd_wy_v3, &p, &ws);
-        printf("  %-34s time (ms, events, median): v2 %.4f  v3 %.4f  (with A out: v2 %.4f  v3 %.4f)\n", c.name, t2, t3,
+        float t2a = time_ms(fq_cuda_fwd_wy_blocked, &p, &ws), t3a = time_ms(fq_cuda_fwd_wy_persistent, &p, &ws);
+        printf("  %-34s time (ms, events, median): blocked %.4f  persistent %.4f  (with A out: blocked %.4f  persistent %.4f)\n", c.name, t2, t3,
                t2a, t3a);
     }
     cudaFree(da); cudaFree(wsp); if (dcu) cudaFree(dcu);

@@ -12,7 +12,7 @@ T0=$(date +%s)
 NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -gencode arch=compute_90a,code=sm_90a"
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
-SRCS="dev/cuda/check_bwd.cu $(ls csrc/cuda/gdn_cuda_bwd*.cu csrc/cuda/gdn_cuda_fwd*.cu)"
+SRCS="dev/cuda/check_bwd.cu $(ls csrc/cuda/gdn_cuda_*.cu)"  # every library kernel file, as setup.py builds them
 for f in $SRCS; do
   $NV -Xcompiler -fopenmp -Xptxas -v -c $f -o $B/$(basename $f .cu).o > $B/$(basename $f .cu).log 2>&1 &
   pids="$pids $!"
@@ -27,7 +27,7 @@ echo "=== built in $(( $(date +%s) - T0 )) s"
 echo "=== full check + timings"
 OMP_NUM_THREADS=$(nproc) timeout 100 $B/check_bwd 2>&1 | tee $OUTDIR/check_bwd.log
 echo "=== exit status ${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
-echo "=== each bwd_state3 configuration forced (the small cases pick ks 2, bv 16)"
+echo "=== each bwd_state configuration forced (the small cases pick ks 2, bv 16)"
 for cfg in 16:1 32:1 32:2 64:1 64:2; do
   echo "--- FLASHQLA_CUDA_BWD_STATE=$cfg"
   FLASHQLA_CUDA_BWD_STATE=$cfg OMP_NUM_THREADS=$(nproc) timeout 30 $B/check_bwd small 2>&1 | tail -3

@@ -1,7 +1,7 @@
 #!/bin/bash
 # dev/cuda/run_dev.sh: the kernel-development run on the GPU machine (one device call):
 # the wgmma wrapper check, the forward checker (quick: correctness of the library's forward
-# and of the three-stage configurations, fused stage A against v2), the short timing rows,
+# and of the three-stage configurations, fused stage A against the blocked stage A), the short timing rows,
 # and compute-sanitizer memcheck + racecheck on tiny problems. Binaries come from .devbin/
 # (built on the development machine: bash dev/cuda/run_dev.sh build; carried with
 # carry [".devbin"]) or are built here when missing or not runnable. Summary last.

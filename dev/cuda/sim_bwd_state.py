@@ -1,10 +1,10 @@
-"""Lane-level NumPy simulation of fq_bwd_state3_kernel (csrc/cuda/gdn_cuda_bwd_state.cu,
-backward version 6) on the CPU: ldmatrix / mma.sync m16n8k16 fragments, the
+"""Lane-level NumPy simulation of fq_bwd_state_kernel (csrc/cuda/gdn_cuda_bwd_state.cu,
+the backward's reverse state pass) on the CPU: ldmatrix / mma.sync m16n8k16 fragments, the
 shuffle-transposed stores, the cp.async ring (parts, zero-filled padding rows,
 wait counts) and the K-split exchange, all from the kernel's own index
-formulas; compared with the v5 equations (same bf16 roundings) in float64.
+formulas; compared with the plain equations (same bf16 roundings) in float64.
 Inputs are scaled so the reverse recurrence does not amplify rounding flips.
-Run: python dev/cuda/sim_bwd_state3.py (numpy; ~5 s)."""
+Run: python dev/cuda/sim_bwd_state.py (numpy; ~5 s)."""
 import numpy as np, sys
 
 def bf(x):  # round to bf16 (RNE), returned as float32
@@ -95,7 +95,7 @@ def run(K, V, NW, KS, NS, nch, lens_last, H, HV, j, seed):
     dht = rng.standard_normal((1, HV, K, V)).astype(np.float32).ravel()
     dvl0, dsl0 = dvl.copy(), dsl.copy()
     hq = j // (HV // H)
-    # ---- reference (v5 equations, same roundings) ----
+    # ---- reference (plain equations, same roundings) ----
     out_dvl = dvl0.copy(); out_dsl = dsl0.copy()
     dS = dht.reshape(1, HV, K, V)[0, j].astype(np.float64)
     for i in range(nch-1, -1, -1):
