@@ -1326,6 +1326,11 @@ def run_fla_process(args, plan, budget_s):
     (and FLA_FLASH_QLA=0, FLA_TILELANG=0) in its environment from the start. The child stops
     starting rows after budget_s and is killed 20 s later. Returns the child's results dict
     ({"rows": [...], ...}; partial if it ran out of time)."""
+    # FLA's cheap rows first: its backward rows cost minutes of Triton compilation and
+    # autotuning, and a budget spent on them left the decode and verify rows unmeasured
+    # (bwd and train stay adjacent per shape: they share FLA's kernels)
+    first = {"fwd": 0, "decode": 1, "verify": 2}
+    plan = sorted(plan, key=lambda ps: first.get(ps[0], 3))
     work = tempfile.mkdtemp(prefix="bench_gpu_fla_")
     plan_file, json_path = os.path.join(work, "plan.json"), os.path.join(work, "fla.json")
     with open(plan_file, "w") as f:

@@ -80,7 +80,7 @@ def paths(x, scale, threads):
         "flashqla.gdn_recurrent": lambda: flashqla.gdn_recurrent(q, k, v, g, b, pool,
                                                                  state_indices=idx),
         "torch.ops.flashqla.recurrent": lambda: torch.ops.flashqla.recurrent(
-            q, k, v, g, b, pool, idx, None, scale, False),
+            q, k, v, g, b, pool, idx, None, scale, False, None, True, "kv", None, None, False, False),
         "flashqla._C.recurrent (capsules)": raw,
     }
 

@@ -51,8 +51,10 @@ class Framework:
         """An uninitialised contiguous array of x's shape, dtype and device."""
         return self.empty(tuple(x.shape), self.dtype_name(x), x)
 
-    def launch(self, op, like, sizes, dtype_name):
-        """Keyword arguments stream= and workspace= for a _C call on like's device."""
+    def launch(self, op, like, sizes, dtype_name, **options):
+        """Keyword arguments stream= and workspace= for a _C call on like's device;
+        options: what the workspace size depends on besides the sizes
+        (_C.workspace_bytes' keywords: checkpoint_every, the gate flags)."""
         return {}
 
     def before_call(self, arrays):
@@ -73,11 +75,11 @@ class Framework:
         return x
 
 
-def _workspace_size(op, sizes, dtype_name):
+def _workspace_size(op, sizes, dtype_name, options):
     if sizes is None:  # an op without workspace (the commit)
         return 0
     B, T, H, HV, K, V, N = sizes
-    return int(_C.workspace_bytes(op, B, T, H, HV, K, V, N, dtype_name))
+    return int(_C.workspace_bytes(op, B, T, H, HV, K, V, N, dtype_name, **options))
 
 
 # ------------------------------------------------------------------ NumPy ----
@@ -141,11 +143,11 @@ class TorchFramework(Framework):
     def empty_like(self, x):
         return self._torch().empty_like(x, memory_format=self._torch().contiguous_format)
 
-    def launch(self, op, like, sizes, dtype_name):
+    def launch(self, op, like, sizes, dtype_name, **options):
         if like.device.type != "cuda":
             return {}
         torch = self._torch()
-        n = _workspace_size(op, sizes, dtype_name)
+        n = _workspace_size(op, sizes, dtype_name, options)
         ws = torch.empty(n, dtype=torch.uint8, device=like.device) if n > 0 else None
         return {"stream": torch.cuda.current_stream(like.device).cuda_stream, "workspace": ws}
 
@@ -187,10 +189,10 @@ class CupyFramework(Framework):
         with like.device:
             return cupy.empty(shape, dtype=dtype_name)
 
-    def launch(self, op, like, sizes, dtype_name):
+    def launch(self, op, like, sizes, dtype_name, **options):
         import cupy
         with like.device:
-            n = _workspace_size(op, sizes, dtype_name)
+            n = _workspace_size(op, sizes, dtype_name, options)
             ws = cupy.empty(n, dtype=cupy.uint8) if n > 0 else None
             return {"stream": cupy.cuda.get_current_stream().ptr, "workspace": ws}
 

@@ -115,6 +115,13 @@ class FusedGates:
         return dict(use_gate_in_kernel=self.use_gate, A_log=fw.export(self.A_log),
                     dt_bias=fw.export(self.dt_bias), use_beta_sigmoid_in_kernel=self.use_sig)
 
+    def workspace_options(self):
+        """The gate flags as _C.workspace_bytes takes them (a fused gate needs
+        a workspace region of its own)."""
+        if not (self.use_gate or self.use_sig):
+            return {}
+        return dict(use_gate_in_kernel=self.use_gate, use_beta_sigmoid_in_kernel=self.use_sig)
+
 
 NO_GATES = FusedGates(False, None, None, False)
 
@@ -175,7 +182,8 @@ def chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, output_final_state,
     if checkpoint_every:
         ck = fw.empty((B * (T // checkpoint_every), HV) + state_dims(K, V, state_layout), sd, q)
         cuck = fw.empty((N + 1,), "int64", q)
-    launch = fw.launch("fwd", q, sizes, dt)
+    launch = fw.launch("fwd", q, sizes, dt, checkpoint_every=int(checkpoint_every or 0),
+                       **gates.workspace_options())
     fw.before_call((q, k, v, g, beta, h0, cu, pool, idx, gates.A_log, gates.dt_bias))
     x = fw.export
     _C.chunk_fwd(x(q), x(k), x(v), x(g), x(beta), x(o), scale=scale, initial_state=x(h0),
@@ -204,7 +212,7 @@ def chunk_bwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, use_qk_l2norm, do, d
     dh0 = None if h0 is None else fw.empty_like(h0)
     dA = None if not gates.use_gate else fw.empty_like(gates.A_log)
     ddt = None if not gates.use_gate or gates.dt_bias is None else fw.empty_like(gates.dt_bias)
-    launch = fw.launch("bwd", q, sizes, dt)
+    launch = fw.launch("bwd", q, sizes, dt, **gates.workspace_options())
     fw.before_call((q, k, v, g, beta, h0, cu, do, dht, gates.A_log, gates.dt_bias))
     x = fw.export
     _C.chunk_bwd(x(q), x(k), x(v), x(g), x(beta), x(do), x(dq), x(dk), x(dv), x(dg), x(dbeta),

@@ -263,13 +263,18 @@ class _ChunkFunction(torch.autograd.Function):
 @torch.library.custom_op("flashqla::recurrent", mutates_args=("state", "intermediate_states"))
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
               state_indices: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float,
-              use_qk_l2norm: bool, intermediate_states: Optional[Tensor] = None,
-              update_state: bool = True, state_layout: str = "kv", A_log: Optional[Tensor] = None,
-              dt_bias: Optional[Tensor] = None, use_gate_in_kernel: bool = False,
-              use_beta_sigmoid_in_kernel: bool = False) -> Tensor:
+              use_qk_l2norm: bool, intermediate_states: Optional[Tensor], update_state: bool,
+              state_layout: str, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+              use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool) -> Tensor:
     """Recurrent step: updates the pool `state` [P,HV,K,V] in place (not with
     update_state=False), writes intermediate_states [N,Ti,HV,K,V] if given,
-    returns o [B,T,HV,V]."""
+    returns o [B,T,HV,V].
+
+    No argument has a default: the dispatcher drops trailing arguments equal to
+    their defaults when it boxes a call for a Python kernel, and the
+    ADInplaceOrView step of older PyTorch releases (the H200 image's) then
+    indexes the mutated intermediate_states (argument 10) past the end
+    (IndexError under opcheck, torch.compile and CUDA graphs)."""
     gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     return recurrent_prepared(TORCH, q, k, v, g, beta, state, state_indices, cu_seqlens, scale,
                               use_qk_l2norm, gates, state_layout, intermediate_states,
@@ -278,8 +283,8 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: T
 
 @recurrent.register_fake
 def _recurrent_fake(q, k, v, g, beta, state, state_indices, cu_seqlens, scale, use_qk_l2norm,
-                    intermediate_states=None, update_state=True, state_layout="kv", A_log=None,
-                    dt_bias=None, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False):
+                    intermediate_states, update_state, state_layout, A_log, dt_bias,
+                    use_gate_in_kernel, use_beta_sigmoid_in_kernel):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
 
 

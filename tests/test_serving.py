@@ -488,7 +488,7 @@ def test_opcheck_serving_ops():
     buf = torch.zeros(2, 3, 2, 16, 16)
     torch.library.opcheck(torch.ops.flashqla.recurrent.default,
                           tuple(rec) + (pool, torch.tensor([0, 2]), None, 0.25, False, buf, False,
-                                        "vk"))
+                                        "vk", None, None, False, False))
     torch.library.opcheck(torch.ops.flashqla.commit.default,
                           (pool, buf, torch.tensor([0, 2]), torch.tensor([1, 3]), "kv"))
 

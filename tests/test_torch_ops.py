@@ -17,6 +17,10 @@ from gdn_testing import (GRAD_NAMES, assert_close, cast_inputs_torch, make_input
 
 TOL32 = tolerance("float32", "o")
 LEAVES = ("q", "k", "v", "g", "beta", "h0")
+# torch.ops.flashqla.recurrent's arguments after use_qk_l2norm for a plain step
+# (intermediate_states, update_state, state_layout, A_log, dt_bias, the two
+# in-kernel gate flags): the op has no defaults (see its docstring)
+RECURRENT_PLAIN = (None, True, "kv", None, None, False, False)
 
 
 def _loss_fn(t, fn=None, **kw):
@@ -149,7 +153,7 @@ def test_opcheck_recurrent(with_idx):
     idx = torch.tensor([4, -1, 0], dtype=torch.int64) if with_idx else None
     torch.library.opcheck(torch.ops.flashqla.recurrent.default,
                           (t["q"], t["k"], t["v"], t["g"], t["beta"], pool, idx, None, 0.25,
-                           False))
+                           False) + RECURRENT_PLAIN)
 
 
 def test_ops_directly_with_autograd():
@@ -258,7 +262,7 @@ def test_cuda_opcheck():
     torch.library.opcheck(torch.ops.flashqla.recurrent.default,
                           (q[:, :2].contiguous(), k[:, :2].contiguous(), v[:, :2].contiguous(),
                            g[:, :2].contiguous(), beta[:, :2].contiguous(), pool,
-                           torch.tensor([2], device="cuda"), None, 0.125, False))
+                           torch.tensor([2], device="cuda"), None, 0.125, False) + RECURRENT_PLAIN)
 
 
 @pytest.mark.gpu
@@ -334,7 +338,8 @@ def test_cuda_graph_capture_of_the_torch_ops():
         g2 = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g2):
             if use_op:
-                o = torch.ops.flashqla.recurrent(*args, pool, idx, None, 128 ** -0.5, False)
+                o = torch.ops.flashqla.recurrent(*args, pool, idx, None, 128 ** -0.5, False,
+                                                 *RECURRENT_PLAIN)
             else:
                 o = flashqla.gdn_recurrent(*args, pool, state_indices=idx)
         pool.copy_(start)

@@ -277,6 +277,21 @@ typedef struct fq_seq_info {
     int nchunks; /* ceil(len / 64); 0 for an empty sequence                  */
 } fq_seq_info;
 
+/* Entry i of an int32 (is64 = 0) or int64 index array: cu_seqlens,
+ * state_indices. */
+static __device__ __forceinline__ int64_t fq_ld_index(const void *p, int is64, int64_t i)
+{
+    return is64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+
+/* [serving: state layout] Offset of element (k, v) in a K x V state stored
+ * [K][V] (vk = 0) or [V][K] (vk = 1: FLA's state_v_first, the vLLM /
+ * FlashInfer pools). */
+static __device__ __forceinline__ int64_t fq_state_at(int k, int v, int K, int V, int vk)
+{
+    return vk ? (int64_t)v * K + k : (int64_t)k * V + v;
+}
+
 /* The fused forward's unit of work: a segment of a sequence's chunks (the
  * whole sequence unless context parallelism splits it; gdn_cuda_fwd_fused.cu). */
 typedef struct fq_seg_info {
@@ -288,7 +303,13 @@ typedef struct fq_seg_info {
     int index;   /* its place in the sequence, 0 .. count - 1                 */
     int count;   /* segments of the sequence                                  */
     int first;   /* global index of the sequence's segment 0                  */
+    int slot;    /* the sequence's state slot in h0 / ht (n; with a pool its index
+                    state_indices[n]), FQ_SLOT_NONE (start from zeros, write
+                    nothing back) or FQ_SLOT_DUP (a slot an earlier sequence
+                    names: start from NaN, write nothing back; gdn.h)         */
 } fq_seg_info;
+#define FQ_SLOT_NONE (-1)
+#define FQ_SLOT_DUP (-2)
 
 /* The gate record of one (chunk, value head), written by the fused
  * forward's stage A for its main kernel (which reads it by one bulk copy):

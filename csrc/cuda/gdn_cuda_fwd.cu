@@ -199,11 +199,6 @@ extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
 
 /* -------------------------------------------------------- chunk table ---- */
 
-static __device__ __forceinline__ int64_t fq_ld_index(const void *p, int is64, int64_t i)
-{
-    return is64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
-}
-
 /* One block of 1024 threads. Validates cu_seqlens (starts at 0,
  * non-decreasing, ends at T), writes one fq_seq_info per sequence (chunk0 by a
  * block-wide exclusive scan of the chunk counts) and one fq_chunk_info per
@@ -388,12 +383,12 @@ extern "C" fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(c
 }
 
 /* The fused kernel runs where the device has it and the call asks nothing it
- * does not do: it reads h0 and writes ht as [K, V] states of their own, so
- * pool-indexed prefill, the [V, K] layout and checkpoints (the serving options
- * of the state pass) take the three-stage forward. */
+ * does not do: it reads h0 and writes ht, a pool's slots included, in either
+ * state layout, but keeps no per-chunk state, so checkpoints (the one serving
+ * option that needs them) take the three-stage forward. */
 static int fq_cuda_fwd_fused_serves(const fq_gdn_params *p)
 {
-    return !p->state && !p->state_vk && p->checkpoint_every == 0 && fq_cuda_fwd_fused_available(p);
+    return p->checkpoint_every == 0 && fq_cuda_fwd_fused_available(p);
 }
 
 /* The fused forward where the current device runs it (asked without a

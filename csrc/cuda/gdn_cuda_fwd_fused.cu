@@ -80,8 +80,9 @@ struct fq_fused_args {
     float *md;           /* MAP: [seg_bound, HV, K, K + V] out */
     const float *ss;     /* FULL: [seg_bound, HV, K, V] start states of segments 1.. */
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
-    const float *h0;     /* [N, HV, K, V] or NULL */
-    float *ht;           /* [N, HV, K, V] or NULL */
+    const float *h0;     /* [N, HV, K, V] or NULL; [serving] the pool [P, HV, K, V] */
+    float *ht;           /* [N, HV, K, V] or NULL; [serving] the pool (h0 == ht) */
+    int vk;              /* [serving] h0, ht stored [.., V, K] (fq_state_at) */
     void *o;             /* [B*T, HV, V], dtype odt */
     fq_dtype odt;
     int o_tma;           /* 1: full chunks of o leave by TMA store (tm_o; 16-bit o, 16-byte aligned) */
@@ -181,7 +182,7 @@ __global__ void __launch_bounds__(384, 1)
     const fq_seg_info si = args.segs[gs];
     /* (block-uniform exits, before any role split) */
     if (si.seq < 0 || (MAP && si.index == si.count - 1)) return;
-    const int n = si.seq, nch = si.nchunks;
+    const int nch = si.nchunks;
 
     if (wg == 0) {
         /* ---------------------------------------------------- producer ---- */
@@ -350,18 +351,27 @@ __global__ void __launch_bounds__(384, 1)
         /* S^T: row v = 16 w + g + 8 h (this CTA's column 64 vb + v), column kd = 8 nb + 2 t + e:
          * S[4 nb + 2 h + e] */
         float S[K / 2];
-        /* the start state: FULL: h0 (segment 0) or the start state the
-         * combine step chained (segments 1..); MAP: the identity's columns
-         * 64 cb + v (an M block) or zeros (a D block) */
+        /* the start state: FULL: a split sequence's segments start from what
+         * the combine step chained into ss (segment 0 too: its h0 copied
+         * there, so that with a pool (h0 == ht) no segment reads a slot the
+         * last one may already have written); a whole sequence from h0 at
+         * its slot (zeros without one, NaN for a duplicate slot, gdn.h);
+         * MAP: the identity's columns 64 cb + v (an M block) or zeros (a D
+         * block) */
         const float *s0 = NULL;
         int64_t s0base = 0;
+        int s0vk = 0;
+        float s0fill = 0.f;
         if (!MAP) {
-            if (si.index == 0) {
-                s0 = args.h0;
-                s0base = ((int64_t)n * HV + j) * K * V + 64 * vb;
-            } else {
+            if (si.count > 1) {
                 s0 = args.ss;
-                s0base = ((int64_t)gs * HV + j) * K * V + 64 * vb;
+                s0base = ((int64_t)gs * HV + j) * K * V;
+            } else if (si.slot >= 0 && args.h0) {
+                s0 = args.h0;
+                s0base = ((int64_t)si.slot * HV + j) * K * V;
+                s0vk = args.vk;
+            } else if (si.slot == FQ_SLOT_DUP) {
+                s0fill = __int_as_float(0x7fc00000);
             }
         }
 #pragma unroll
@@ -370,7 +380,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int e = 0; e < 4; e++) {
                 const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
                 if (MAP) S[4 * nb + e] = (mblk && kd == 64 * cb + v) ? 1.f : 0.f;
-                else S[4 * nb + e] = s0 ? s0[s0base + (int64_t)kd * V + v] : 0.f;
+                else S[4 * nb + e] = s0 ? s0[s0base + fq_state_at(kd, 64 * vb + v, K, V, s0vk)] : s0fill;
             }
         uint32_t sb[K / 16][4];
 #pragma unroll
@@ -544,14 +554,18 @@ __global__ void __launch_bounds__(384, 1)
         /* the end state: MAP: columns 64 cb.. of the segment's [M | D]; FULL: ht
          * when the segment ends its sequence */
         float *dst = NULL;
-        int64_t dbase = 0, ld = V;
+        int64_t dbase = 0;
+        int c0 = 0, dcols = K + V, dvk = 0;
         if (MAP) {
             dst = args.md;
-            ld = K + V;
-            dbase = ((int64_t)gs * HV + j) * K * (K + V) + 64 * cb;
-        } else if (si.index == si.count - 1) {
+            dbase = ((int64_t)gs * HV + j) * K * (K + V);
+            c0 = 64 * cb;
+        } else if (si.index == si.count - 1 && si.slot >= 0) {
             dst = args.ht;
-            dbase = ((int64_t)n * HV + j) * K * V + 64 * vb;
+            dbase = ((int64_t)si.slot * HV + j) * K * V;
+            c0 = 64 * vb;
+            dcols = V;
+            dvk = args.vk;
         }
         if (dst) {
 #pragma unroll
@@ -559,7 +573,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                    dst[dbase + (int64_t)kd * ld + v] = S[4 * nb + e];
+                    dst[dbase + fq_state_at(kd, c0 + v, K, dcols, dvk)] = S[4 * nb + e];
                 }
         }
     }
@@ -631,9 +645,13 @@ extern "C" int fq_cuda_fwd_nseg_max(const fq_gdn_params *p)
 }
 
 /* One block of 1024 threads: the segment table from the sequence table
- * (segment slots past the real count get seq = -1). */
+ * (segment slots past the real count get seq = -1), with each sequence's
+ * state slot: n, or with a pool (idx != NULL) idx[n], FQ_SLOT_NONE for a
+ * negative slot or one >= P, FQ_SLOT_DUP for a slot an earlier sequence
+ * names (as the three-stage state pass does). */
 __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info *seqs, int N, int nseg_max,
-                                                               int seg_bound, fq_seg_info *segs)
+                                                               int seg_bound, fq_seg_info *segs, const void *idx,
+                                                               int idx64, int64_t P)
 {
     __shared__ int s_warp[32];
     __shared__ int s_carry;
@@ -645,7 +663,13 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
     for (int base = 0; base < N; base += nth) {
         const int n = base + tid;
         fq_seq_info si = {0, 0, 0, 0};
-        int nseg = 0, L = 1;
+        int nseg = 0, L = 1, slot = n;
+        if (n < N && idx) {
+            const int64_t sl = fq_ld_index(idx, idx64, n);
+            slot = sl < 0 || sl >= P ? FQ_SLOT_NONE : (int)sl;
+            for (int m = 0; m < n && slot >= 0; m++)
+                if (fq_ld_index(idx, idx64, m) == sl) slot = FQ_SLOT_DUP;
+        }
         if (n < N) {
             si = seqs[n];
             nseg = si.nchunks / FQ_CP_MIN_CHUNKS;
@@ -668,6 +692,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
             e.index = sg;
             e.count = nseg;
             e.first = first;
+            e.slot = slot;
             if (first + sg < seg_bound) segs[first + sg] = e;
         }
         __syncthreads();
@@ -676,7 +701,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
     }
     const int total = s_carry;
     for (int sg = total + tid; sg < seg_bound; sg += nth) {
-        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, 0};
+        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, 0, FQ_SLOT_NONE};
         segs[sg] = e;
     }
 }
@@ -684,10 +709,11 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
 /* The combine step: one block of K threads (thread = state row kd) per
  * (segment slot, value head, 16 state columns); only a sequence's segment 0
  * works, walking its segments:
- *   S_0 = h0 (or 0),  S_{sigma+1} = M_sigma S_sigma + D_sigma  ->  ss[first + sigma + 1] */
+ *   S_0 = h0 at the sequence's slot (0 without one, NaN for a duplicate slot)  ->  ss[first]
+ *   S_{sigma+1} = M_sigma S_sigma + D_sigma                                    ->  ss[first + sigma + 1] */
 template <int K>
 __global__ void __launch_bounds__(K) fq_fwd_cp_combine_kernel(const fq_seg_info *segs, const float *md, const float *h0,
-                                                              float *ss, int HV, int V)
+                                                              float *ss, int HV, int V, int vk)
 {
     __shared__ float S[K][16];
     fq_pdl_trigger();
@@ -697,10 +723,14 @@ __global__ void __launch_bounds__(K) fq_fwd_cp_combine_kernel(const fq_seg_info 
     const fq_seg_info si = segs[gs];
     if (si.seq < 0 || si.index != 0 || si.count < 2) return;
     const int kd = threadIdx.x;
-    const int64_t hrow = (((int64_t)si.seq * HV + j) * K + kd) * V + 16 * vc;
+    const int64_t hbase = ((int64_t)si.slot * HV + j) * K * V;
+    const float fill = si.slot == FQ_SLOT_DUP ? __int_as_float(0x7fc00000) : 0.f;
     float x[16];
 #pragma unroll
-    for (int c = 0; c < 16; c++) x[c] = h0 ? h0[hrow + c] : 0.f;
+    for (int c = 0; c < 16; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, 16 * vc + c, K, V, vk)] : fill;
+    float *ss0 = ss + (((int64_t)gs * HV + j) * K + kd) * V + 16 * vc;
+#pragma unroll
+    for (int c = 0; c < 16; c++) ss0[c] = x[c];
     for (int sg = 0; sg + 1 < si.count; sg++) {
 #pragma unroll
         for (int c = 0; c < 16; c++) S[kd][c] = x[c];
@@ -790,8 +820,9 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     args.md = ws->md;
     args.ss = ws->ss;
     args.rec = ws->rec;
-    args.h0 = (const float *)p->h0;
-    args.ht = (float *)p->ht;
+    args.h0 = (const float *)(p->state ? p->state : p->h0);
+    args.ht = (float *)(p->state ? p->state : p->ht);
+    args.vk = p->state_vk;
     args.o = p->o;
     args.odt = p->dtype;
     args.o_tma = m.o_tma;
@@ -818,13 +849,15 @@ static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, cud
     if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
     const int pdl = fq_cuda_pdl_enabled();
     if ((st = fq_launch_k(fq_fwd_segments_kernel, 1, 1024, 0, stream, pdl, (const fq_seq_info *)ws->seqs, (int)p->N,
-                          ws->nseg_max, (int)ws->seg_bound, ws->segs)) != FQ_OK)
+                          ws->nseg_max, (int)ws->seg_bound, ws->segs, p->state ? p->state_indices : (const void *)NULL,
+                          p->state_indices_is_int64, (int64_t)p->P)) != FQ_OK)
         return st;
     if (ws->nseg_max > 1) {
         if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, stream)) != FQ_OK) return st;
         const unsigned cgrid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
         if ((st = fq_launch_k(fq_fwd_cp_combine_kernel<K>, cgrid, K, 0, stream, pdl, (const fq_seg_info *)ws->segs,
-                              (const float *)ws->md, (const float *)p->h0, ws->ss, (int)p->HV, (int)p->V)) != FQ_OK)
+                              (const float *)ws->md, (const float *)(p->state ? p->state : p->h0), ws->ss,
+                              (int)p->HV, (int)p->V, (int)p->state_vk)) != FQ_OK)
             return st;
     }
     return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, stream);

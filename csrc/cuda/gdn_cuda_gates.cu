@@ -17,8 +17,10 @@
  *     tokens, each summed by one thread in token order (in double), then the
  *     slabs in order by one thread per head; no atomics.
  *
- * The gate region is reserved in every chunk workspace (fq_cuda_gates_ws_bytes),
- * used or not, so that the workspace size depends on the sizes only.
+ * The gate region (fq_cuda_gates_ws_bytes) is reserved at the start of the
+ * chunk workspace only when a call fuses a gate: the workspace size depends on
+ * the sizes, checkpoint_every and the two gate flags (flashqla._C.workspace_bytes
+ * takes them).
  */
 #include "gdn_cuda_common.cuh"
 
@@ -32,6 +34,7 @@ static int64_t fq_gates_slabs(const fq_gdn_params *p) { return (p->B * p->T + FQ
  * partial sums [slabs][HV][2] (backward). */
 extern "C" size_t fq_cuda_gates_ws_bytes(const fq_gdn_params *p, char op)
 {
+    if (!p->use_gate_in_kernel && !p->use_beta_sigmoid_in_kernel) return 0;
     const size_t e = (size_t)(p->B * p->T * p->HV) * 4;
     if (op == 'f') return 2 * fq_gates_align(e);
     return 4 * fq_gates_align(e) + fq_gates_align((size_t)(fq_gates_slabs(p) * p->HV) * 2 * sizeof(double));

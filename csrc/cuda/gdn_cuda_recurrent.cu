@@ -256,10 +256,13 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
     fq_rec_tile_load<RK>(S, sp, r0, c0, K, V, a.vk);
     /* a slot an earlier sequence names too belongs to that one (issue 9):
      * scan state_indices[0 .. n) (n / 32 loads per lane, in flight with the
-     * state tile), NaN rows and no state writes here */
+     * state tile and with each other: no early exit, whose test on each
+     * loaded value made the loads one dependent round trip after another,
+     * 8 at N = 256), NaN rows and no state writes here */
     if (a.idx) {
         int dup = 0;
-        for (int64_t m = lane; m < n && !dup; m += 32) dup = fq_rec_index(a.idx, a.idx_is64, m) == slot;
+#pragma unroll 4
+        for (int64_t m = lane; m < n; m += 32) dup |= fq_rec_index(a.idx, a.idx_is64, m) == slot;
         if (__any_sync(0xffffffffu, dup)) {
             if (rg == 0) {
                 const float nan = __int_as_float(0x7fc00000);

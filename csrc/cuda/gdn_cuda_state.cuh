@@ -34,14 +34,6 @@ static __device__ __forceinline__ fq_bf16 *fq_st_t_lane(fq_bf16 *out, int64_t ld
     return out + (int64_t)(2 * t + (g & 1)) * ld + (g & ~1);
 }
 
-/* [serving: state layout] Offset of element (k, v) in a K x V state stored
- * [K][V] (vk = 0) or [V][K] (vk = 1: FLA's state_v_first, the vLLM /
- * FlashInfer pools). */
-static __device__ __forceinline__ int64_t fq_state_at(int k, int v, int K, int V, int vk)
-{
-    return vk ? (int64_t)v * K + k : (int64_t)k * V + v;
-}
-
 /* dst[off + (k, v)] = the lane's part of X (rows k0.., columns vw..), in
  * the layout vk of fq_state_at. (The loads of h0 / dht are written out in
  * each kernel: through a helper the backward's compiled differently.) */
