@@ -140,7 +140,7 @@ def test_cuda_fused_gates_autograd_and_fla_names():
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_cuda_pool_prefill_equals_gather_chunk_scatter_bitwise(layout, idx_dtype):
-    seqlens = [70, 0, 1, 500, 64]
+    seqlens = [70, 0, 1, 1500, 64]   # 1500: 24 chunks, split in 3 segments (the pool read and written by different CTAs)
     inp = make_inputs(1, sum(seqlens), H, HV, K, V, seed=5, seqlens=seqlens, h0=False)
     args = _qkv(inp) + [_t(inp["g"]), _t(inp["beta"])]
     cu = _t(inp["cu_seqlens"], torch.int32)
@@ -176,7 +176,7 @@ def test_cuda_pool_prefill_equals_gather_chunk_scatter_bitwise(layout, idx_dtype
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_cuda_checkpoints(layout):
-    seqlens = [130, 0, 64, 700, 63, 128]
+    seqlens = [130, 0, 64, 1700, 63, 128]   # 1700: 27 chunks in 3 segments (checkpoints from each)
     inp = make_inputs(1, sum(seqlens), H, HV, K, V, seed=6, seqlens=seqlens)
     args = _qkv(inp) + [_t(inp["g"]), _t(inp["beta"])]
     h0 = _t(inp["h0"])
@@ -200,7 +200,7 @@ def test_cuda_checkpoints(layout):
         if L and L % 64 == 0:   # the last checkpoint is the final state, bit for bit
             assert torch.equal(ck[c0[n + 1] - 1], ht[n])
     assert torch.all(ck[c0[-1]:] == 0)
-    # same o with and without checkpoints
+    # same o with and without checkpoints (one kernel stores them from its registers)
     o2, _ = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True,
                                cu_seqlens=_t(inp["cu_seqlens"], torch.int64), state_layout=layout)
     assert torch.equal(o, o2)

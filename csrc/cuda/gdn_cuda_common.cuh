@@ -277,6 +277,20 @@ typedef struct fq_seq_info {
     int nchunks; /* ceil(len / 64); 0 for an empty sequence                  */
 } fq_seq_info;
 
+/* 1 when one of the 8 bf16 in x is an Inf or NaN (exponent bits all ones). */
+static __device__ __forceinline__ int fq_bf16x8_nonfinite(uint4 x)
+{
+    const uint32_t m = 0x7f807f80u;
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    int bad = 0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const uint32_t y = w[e] & m;
+        bad |= (y & 0xffffu) == 0x7f80u || (y >> 16) == 0x7f80u;
+    }
+    return bad;
+}
+
 /* Entry i of an int32 (is64 = 0) or int64 index array: cu_seqlens,
  * state_indices. */
 static __device__ __forceinline__ int64_t fq_ld_index(const void *p, int is64, int64_t i)
@@ -303,6 +317,7 @@ typedef struct fq_seg_info {
     int index;   /* its place in the sequence, 0 .. count - 1                 */
     int count;   /* segments of the sequence                                  */
     int first;   /* global index of the sequence's segment 0                  */
+    int cfirst;  /* chunks of its sequence before the segment                 */
     int slot;    /* the sequence's state slot in h0 / ht (n; with a pool its index
                     state_indices[n]), FQ_SLOT_NONE (start from zeros, write
                     nothing back) or FQ_SLOT_DUP (a slot an earlier sequence
@@ -321,7 +336,9 @@ typedef struct fq_seg_info {
 #define FQ_REC_QG 256   /* scale e^gamma_r rq_r: the rows of Q S               */
 #define FQ_REC_KD 320   /* e^{gamma_C - gamma_r} rk_r: the rows of K in S's update */
 #define FQ_REC_BETA 384 /* beta_r                                              */
-#define FQ_REC_EC 448   /* e^{gamma_C}, then 3 floats of padding               */
+#define FQ_REC_EC 448   /* e^{gamma_C} (NaN when a row is poisoned, below)      */
+#define FQ_REC_F 449    /* f: the chunk's first row with a non-finite k, g or beta
+                           (64: none; issue 9, causality), then 2 floats of padding */
 #define FQ_REC_FLOATS 452 /* 1808 bytes, a multiple of 16                      */
 
 /* ------------------------------------------- forward workspace layout ---- */

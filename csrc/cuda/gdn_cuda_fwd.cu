@@ -364,6 +364,18 @@ extern "C" fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws 
     return fq_cuda_poison_if_invalid(ws->flags, ht, FQ_F32, p->N * p->HV * p->K * p->V, stream);
 }
 
+/* Invalid cu_seqlens: NaN outputs, o, ht and [serving] the checkpoints (a pool
+ * is left as it was: every sequence counted as empty wrote back its start). */
+static fq_status fq_cuda_fwd_poison_all(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    fq_status st;
+    if (p->checkpoint_every && p->cu_seqlens &&
+        (st = fq_cuda_poison_if_invalid(ws->flags, p->checkpoints, FQ_F32,
+                                        fq_checkpoint_rows(p) * p->HV * p->K * p->V, stream)) != FQ_OK)
+        return st;
+    return fq_cuda_fwd_poison(p, ws, (float *)p->ht, stream);
+}
+
 /* -------------------------------------------------------- entry points ---- */
 
 /* fn(p) with p->device current; the caller's device is restored after (a
@@ -382,13 +394,13 @@ extern "C" fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(c
     return st;
 }
 
-/* The fused kernel runs where the device has it and the call asks nothing it
- * does not do: it reads h0 and writes ht, a pool's slots included, in either
- * state layout, but keeps no per-chunk state, so checkpoints (the one serving
- * option that needs them) take the three-stage forward. */
+/* The fused kernel runs every forward where the device has it (it reads h0
+ * and writes ht, a pool's slots included, in either state layout, and stores
+ * the checkpoints from its registers); the three-stage forward is the
+ * fallback elsewhere. */
 static int fq_cuda_fwd_fused_serves(const fq_gdn_params *p)
 {
-    return p->checkpoint_every == 0 && fq_cuda_fwd_fused_available(p);
+    return fq_cuda_fwd_fused_available(p);
 }
 
 /* The fused forward where the current device runs it (asked without a
@@ -409,9 +421,10 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     fq_cuda_fwd_fused_ws_layout(p, p->workspace, &ws);
     fq_status st;
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st; /* [serving] */
     if ((st = fq_cuda_fwd_inverse(p, &ws, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_fused(p, &ws, stream)) != FQ_OK) return st;
-    return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, stream);
+    return fq_cuda_fwd_poison_all(p, &ws, stream);
 }
 
 static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
@@ -438,13 +451,7 @@ static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
     if ((st = fq_cuda_fwd_state(p, &ws, (float *)p->ht, 0, stream)) != FQ_OK) return st;
     /* C. outputs */
     if ((st = fq_cuda_fwd_output(p, &ws, stream)) != FQ_OK) return st;
-    /* invalid cu_seqlens: NaN outputs ([serving] the checkpoints too; a pool
-     * is left as it was: every sequence counted as empty wrote back its start) */
-    if (p->checkpoint_every && p->cu_seqlens &&
-        (st = fq_cuda_poison_if_invalid(ws.flags, p->checkpoints, FQ_F32,
-                                        fq_checkpoint_rows(p) * p->HV * p->K * p->V, stream)) != FQ_OK)
-        return st;
-    return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, stream);
+    return fq_cuda_fwd_poison_all(p, &ws, stream);
 }
 
 extern "C" fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p)

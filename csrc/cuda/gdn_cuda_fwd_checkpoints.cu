@@ -1,8 +1,10 @@
 /*
  * gdn_cuda_fwd_checkpoints.cu — the bookkeeping of prefix-cache checkpoints
  * (gdn.h, checkpoint_every): the row index cu_checkpoints and the zero rows
- * past the last checkpoint. The states themselves are stored by the state
- * pass (gdn_cuda_fwd_state.cu, the hunks marked [serving]).
+ * past the last checkpoint. The states themselves are stored by the fused
+ * forward's chain (gdn_cuda_fwd_fused.cu) or, in the three-stage forward that
+ * serves where the fused kernel does not run, by the state pass
+ * (gdn_cuda_fwd_state.cu, the hunks marked [serving]).
  *
  *     cu_checkpoints[n] = sum_{m < n} L_m / checkpoint_every      (n = 0 .. N)
  *     checkpoints[r] = 0 for cu_checkpoints[N] <= r < B * (T / checkpoint_every)

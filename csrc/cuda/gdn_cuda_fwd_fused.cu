@@ -38,6 +38,13 @@
  * the tensor) are zeroed before use, so nothing from another sequence enters
  * the arithmetic.
  *
+ * [serving] The start state comes from h0 or a pool slot (state_indices,
+ * resolved once in the segment table: a negative slot starts from zeros and
+ * writes nothing, a duplicate starts from NaN), in either state layout; the
+ * end state goes back to ht or the slot; with checkpoint_every the chain
+ * stores S after every checkpoint_every tokens of a sequence from its
+ * registers (the rows indexed by fq_cuda_fwd_checkpoint_index).
+ *
  * Only sm_90a code has the kernel; elsewhere it compiles to an empty body and
  * fq_cuda_fwd_fused_available() says no (gdn_cuda_fwd.cu then runs the
  * three-stage forward).
@@ -63,8 +70,9 @@ template <int K> struct fq_fused_smem {
     static constexpr int off_w1 = off_a + FQ_TILE;     /* W tile 1 (K = 128) */
     static constexpr int off_u = off_w1 + (KT - 1) * FQ_TILE; /* U^T fp32 (64 rows of 68), then the O staging */
     static constexpr int stage = off_u + 64 * 68 * 4;          /* a multiple of 1024 */
-    static constexpr int off_bar = FQ_FUSED_STAGES * stage;     /* full, ready_w, ready_p, empty */
-    static constexpr int off_rec = off_bar + 4 * FQ_FUSED_STAGES * 8; /* per stage: the gate record */
+    static constexpr int off_bar = FQ_FUSED_STAGES * stage;     /* full, ready_w, ready_p, empty, checked */
+    static constexpr int off_chk = off_bar + (5 * FQ_FUSED_STAGES * 8 + 15) / 16 * 16; /* per stage: an int */
+    static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16;   /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
     static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
     static constexpr uint32_t load_bytes = (2 * KT + 2) * FQ_TILE + rec_bytes;
@@ -82,7 +90,11 @@ struct fq_fused_args {
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
     const float *h0;     /* [N, HV, K, V] or NULL; [serving] the pool [P, HV, K, V] */
     float *ht;           /* [N, HV, K, V] or NULL; [serving] the pool (h0 == ht) */
-    int vk;              /* [serving] h0, ht stored [.., V, K] (fq_state_at) */
+    int vk;              /* [serving] h0, ht, checkpoints stored [.., V, K] (fq_state_at) */
+    float *ckpt;         /* [serving] checkpoints [rows, HV, K, V] or NULL: every ck_chunks full
+                            chunks of a sequence its state to row cu_ck[n] + c - 1 (gdn.h) */
+    const int64_t *cu_ck;
+    int ck_chunks;
     void *o;             /* [B*T, HV, V], dtype odt */
     fq_dtype odt;
     int o_tma;           /* 1: full chunks of o leave by TMA store (tm_o; 16-bit o, 16-byte aligned) */
@@ -149,6 +161,10 @@ __global__ void __launch_bounds__(384, 1)
     uint64_t *full = (uint64_t *)(smem + SM::off_bar);
     uint64_t *ready_w = full + FQ_FUSED_STAGES, *ready_p = ready_w + FQ_FUSED_STAGES;
     uint64_t *empty = ready_p + FQ_FUSED_STAGES;
+    /* checked: the stage's V rows checked (issue 9), the record poisoned
+     * where they are not finite; chk: the checker's row minimum per stage */
+    uint64_t *checked = empty + FQ_FUSED_STAGES;
+    int *chk = (int *)(smem + SM::off_chk);
 
     constexpr int MAP = MODE == FQ_FUSED_MAP;
     const int HV = args.HV, ncb = args.ncb;
@@ -169,6 +185,8 @@ __global__ void __launch_bounds__(384, 1)
             fq_mbar_init(&ready_w[s], 128);
             fq_mbar_init(&ready_p[s], 128);
             fq_mbar_init(&empty[s], 128);
+            fq_mbar_init(&checked[s], 1);
+            chk[s] = 64;
         }
         fq_mbar_init_fence();
         fq_tma_prefetch_desc(&tm_q);
@@ -205,6 +223,45 @@ __global__ void __launch_bounds__(384, 1)
                 if (!mblk) fq_tma_load_3d(st + SM::off_v, &tm_v, &full[s], 64 * vb, j, row);
                 fq_tma_load_2d(st + SM::off_a, &tm_a, &full[s], 0, ((si.chunk0 + i) * HV + j) * 64);
             }
+        } else if (tid >= 32) {
+            /* checker, warps 1..3 (issue 9: causality for V, which stage A
+             * does not read): fv = the chunk's first row with a non-finite v
+             * in this CTA's 64 columns; from it on the stage's record is
+             * poisoned as stage A poisons it for k, g, beta (qg = NaN: those o
+             * rows come out NaN; e^{gamma_C} = NaN: the state after the chunk)
+             * and FQ_REC_F = min(f, fv) has the prep zero those tile rows.
+             * Off the critical path: the loads run up to three chunks ahead. */
+            const int tk = tid - 32, lane = tid & 31;
+            for (int i = 0; i < nch; i++) {
+                const int s = i % FQ_FUSED_STAGES;
+                fq_mbar_wait(&full[s], (i / FQ_FUSED_STAGES) & 1);
+                const unsigned char *vt = smem + s * SM::stage + SM::off_v;
+                const int len = min(64, si.len - 64 * i);
+                int bad = 64;
+                if (!mblk) /* (a V row is 128 bytes; the swizzle permutes only inside a row) */
+                    for (int idx = tk; idx < 8 * len; idx += 96)
+                        if (fq_bf16x8_nonfinite(*(const uint4 *)(vt + 16 * idx))) bad = min(bad, idx >> 3);
+                bad = __reduce_min_sync(0xffffffffu, bad);
+                if (lane == 0 && bad < 64) atomicMin(&chk[s], bad);
+                fq_named_bar(4, 96);
+                if (tid < 64) { /* warp 1 */
+                    const int fv = chk[s];
+                    if (fv < 64) { /* warp-uniform, rare */
+                        float *rec = (float *)(smem + SM::off_rec + s * SM::rec_bytes);
+                        const float nan = __int_as_float(0x7fc00000);
+                        if (lane >= fv) rec[FQ_REC_QG + lane] = nan;
+                        if (lane + 32 >= fv) rec[FQ_REC_QG + lane + 32] = nan;
+                        if (lane == 0) {
+                            rec[FQ_REC_EC] = nan;
+                            if ((float)fv < rec[FQ_REC_F]) rec[FQ_REC_F] = (float)fv;
+                            chk[s] = 64;
+                        }
+                        fq_fence_async_smem(); /* before a later TMA load overwrites the record */
+                        __syncwarp();
+                    }
+                    if (lane == 0) fq_mbar_arrive(&checked[s]);
+                }
+            }
         }
     } else if (wg == 1) {
         /* -------------------------------------------------------- prep ---- */
@@ -215,13 +272,20 @@ __global__ void __launch_bounds__(384, 1)
             unsigned char *st = smem + s * SM::stage;
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const int len = min(64, si.len - 64 * i);
-            /* the stage is ours once its loads landed (the chain is done with its last use) */
-            fq_mbar_wait(&full[s], (i / FQ_FUSED_STAGES) & 1);
-            if (len < 64) {
-                /* zero the padding rows of Q, K, V (rows of the next sequence) */
-                const int nt = 2 * KT + 1, nrow = 64 - len;
+            /* the stage is ours once its loads landed and its V rows are checked
+             * (the chain is done with its last use) */
+            fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
+            /* rows from zr on enter nothing: the padding rows of a sequence's last
+             * chunk (rows of the next sequence) and, from stage A's f, the rows
+             * from the chunk's first non-finite k, g, beta (stage A) or v (the
+             * checker) on (issue 9: their NaN would reach earlier rows through
+             * the zeros of A and P) */
+            const int zr = min(len, (int)rec[FQ_REC_F]);
+            if (zr < 64) {
+                /* zero rows zr.. of Q, K, V */
+                const int nt = 2 * KT + 1, nrow = 64 - zr;
                 for (int idx = tp; idx < nt * nrow * 8; idx += 128) {
-                    const int tile = idx / (nrow * 8), r = len + (idx / 8) % nrow, c = idx % 8;
+                    const int tile = idx / (nrow * 8), r = zr + (idx / 8) % nrow, c = idx % 8;
                     unsigned char *tb = st + (tile < KT ? SM::off_q + tile * FQ_TILE
                                               : tile < 2 * KT ? SM::off_k + (tile - KT) * FQ_TILE
                                                               : SM::off_v);
@@ -546,6 +610,20 @@ __global__ void __launch_bounds__(384, 1)
                 }
                 fq_mbar_arrive(&empty[s]);
             }
+            /* [serving] prefix-cache checkpoint: the state after c = cfirst + i + 1
+             * chunks of the sequence, when c is a multiple of ck_chunks and the
+             * chunk is full (gdn.h: the state after c * checkpoint_every tokens) */
+            const int c = si.cfirst + i + 1;
+            if (args.ckpt && len == 64 && c % args.ck_chunks == 0) {
+                float *ck = args.ckpt + ((args.cu_ck[si.seq] + c / args.ck_chunks - 1) * HV + j) * (int64_t)K * V;
+#pragma unroll
+                for (int nb = 0; nb < K / 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
+                        ck[fq_state_at(kd, 64 * vb + v, K, V, args.vk)] = S[4 * nb + e];
+                    }
+            }
             } /* FULL */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
@@ -692,6 +770,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
             e.index = sg;
             e.count = nseg;
             e.first = first;
+            e.cfirst = L * sg;
             e.slot = slot;
             if (first + sg < seg_bound) segs[first + sg] = e;
         }
@@ -701,7 +780,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
     }
     const int total = s_carry;
     for (int sg = total + tid; sg < seg_bound; sg += nth) {
-        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, 0, FQ_SLOT_NONE};
+        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, 0, 0, FQ_SLOT_NONE};
         segs[sg] = e;
     }
 }
@@ -823,6 +902,9 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     args.h0 = (const float *)(p->state ? p->state : p->h0);
     args.ht = (float *)(p->state ? p->state : p->ht);
     args.vk = p->state_vk;
+    args.ckpt = p->checkpoint_every ? (float *)p->checkpoints : NULL;
+    args.cu_ck = (const int64_t *)p->cu_checkpoints;
+    args.ck_chunks = (int)(p->checkpoint_every / 64);
     args.o = p->o;
     args.odt = p->dtype;
     args.o_tma = m.o_tma;

@@ -676,6 +676,16 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
  *     rec   = the gate record (FQ_REC_*: gamma, the row and column factors,
  *             beta, e^{gamma_C}) the fused kernel reads
  *
+ * Causality (issue 9): f = the chunk's first row with a non-finite k, g or
+ * beta (64: none). Rows r >= f enter nothing: beta_r = rk_r = 0 and gamma_r
+ * = gamma_{f-1} (a zero gate), L loses their rows and columns (a select, so
+ * that the NaN of K K^T stays out), and the record poisons what depends on
+ * them: qg_r = NaN (o rows r >= f come out NaN), e^{gamma_C} = NaN (the state
+ * after the chunk, hence every later token), f in FQ_REC_F (the fused kernel
+ * zeroes those rows of its Q, K, V tiles, so that no product meets a NaN
+ * through a structural zero). Rows r < f are then exactly what they are
+ * without the later tokens: an output depends only on tokens at or before it.
+ *
  * Everything stays in registers and tensor cores (the blocked and persistent kernels above solve the
  * off-diagonal blocks in fp32 FFMA from shared memory, warp 0 doing most of
  * them): warp w holds block row w of L as mma.sync accumulators (rows
@@ -702,8 +712,10 @@ template <int K> struct fq_inv_smem {
     static constexpr int off_x = off_a + 64 * LDA * 2;
     static constexpr int off_d = off_x + 4 * 16 * LDX * 2;
     static constexpr int off_vec = off_d + 4 * 16 * LDD * 4;
-    static constexpr int bytes = off_vec + 4 * 64 * 4;
+    static constexpr int off_f = off_vec + 4 * 64 * 4; /* the item's first poisoned row (an int) */
+    static constexpr int bytes = off_f + 16;
 };
+
 
 /* d (+)= a b for a 16x16 left factor a (A fragment) and the 16 x 8n right
  * factor at (k0, n0) of a bf16 [k][n] tile (ld elements): NB8 n8 blocks. */
@@ -758,11 +770,35 @@ static __device__ __forceinline__ void fq_inv_store_c(fq_bf16 *s, int ld, int c0
 template <int K>
 static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
                                                    const fq_bf16 *Ks, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
-                                                   const float *gam, const float *bet, const float *rkv)
+                                                   float *gam, float *bet, float *rkv)
 {
     typedef fq_inv_smem<K> SM;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
+    /* causality (the header): f = the first row r < len with a non-finite
+     * k_r (the K tile), gamma_r (the cumulative sum carries a non-finite g)
+     * or beta_r; *s_f was set to 64 before the barrier that precedes us */
+    int *s_f = (int *)((unsigned char *)Ld + (SM::off_f - SM::off_d));
+    {
+        int bad = 64;
+        for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+            const int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+            if (fq_bf16x8_nonfinite(*(const uint4 *)(Ks + r * SM::LDK + c))) bad = min(bad, r);
+        }
+        if (tid < ci.len && !(isfinite(gam[tid]) && isfinite(bet[tid]))) bad = min(bad, tid);
+        bad = __reduce_min_sync(0xffffffffu, bad);
+        if (lane == 0 && bad < 64) atomicMin(s_f, bad);
+    }
+    __syncthreads();
+    const int f = *s_f;
+    if (f < 64) { /* block-uniform, rare: rows >= f enter nothing */
+        if (tid < 64 && tid >= f) {
+            gam[tid] = f > 0 ? gam[f - 1] : 0.f;
+            bet[tid] = 0.f;
+            rkv[tid] = 0.f;
+        }
+        __syncthreads();
+    }
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
      * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
     float l[8][4];
@@ -803,7 +839,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             for (int e = 0; e < 4; e++) {
                 const int h = e >> 1, r = 16 * warp + gq + 8 * h, c = c0 + (e & 1);
                 const float x = fr[h] * ((e & 1) ? k1 : k0) * exp2f(gr[h] - ((e & 1) ? g1 : g0)) * l[n][e];
-                l[n][e] = (!diag || c < r) ? x : 0.f;
+                l[n][e] = (!diag || c < r) && r < f ? x : 0.f; /* (c < r < f) */
             }
         }
     }
@@ -917,10 +953,12 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         rec[FQ_REC_RK + tid] = rk;
         rec[FQ_REC_PRQ + tid] = args.scale * rq;
         rec[FQ_REC_FA1 + tid] = eg * rk;
-        rec[FQ_REC_QG + tid] = args.scale * eg * rq;
+        const float nan = __int_as_float(0x7fc00000);
+        rec[FQ_REC_QG + tid] = tid < f ? args.scale * eg * rq : nan;
         rec[FQ_REC_KD + tid] = __expf(gam[63] - ga) * rk;
         rec[FQ_REC_BETA + tid] = bet[tid];
-        if (tid < 4) rec[FQ_REC_EC + tid] = tid == 0 ? __expf(gam[63]) : 0.f;
+        if (tid < 4)
+            rec[FQ_REC_EC + tid] = tid == 0 ? (f < 64 ? nan : __expf(gam[63])) : tid == 1 ? (float)f : 0.f;
     }
 }
 
@@ -970,8 +1008,9 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
         __syncthreads(); /* the previous item is done with A, the scratch, the vectors and buffer buf ^ 1 */
         issue(cn, nit, buf ^ 1);
         fq_cp_async_commit();
-        /* A starts as zeros: the blocks above the diagonal stay zero */
+        /* A starts as zeros: the blocks above the diagonal stay zero; no row poisoned yet */
         for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
+        if (tid == 0) *(int *)(smem + SM::off_f) = 64;
         if (warp == 0) {
             fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
             fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);

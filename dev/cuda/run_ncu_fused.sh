@@ -8,7 +8,7 @@ OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/../.." || exit 1
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "ncu not found"; exit 1; }
-for k in fused inverse; do
+for k in ${FQ_NCU_KERNELS:-fused inverse}; do
   timeout 200 $NCU --clock-control none -k "regex:fq_fwd_${k}_kernel" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
       --section SourceCounters --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
