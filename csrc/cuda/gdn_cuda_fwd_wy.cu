@@ -676,15 +676,16 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
  *     rec   = the gate record (FQ_REC_*: gamma, the row and column factors,
  *             beta, e^{gamma_C}) the fused kernel reads
  *
- * Causality (issue 9): f = the chunk's first row with a non-finite k, g or
- * beta (64: none). Rows r >= f enter nothing: beta_r = rk_r = 0 and gamma_r
- * = gamma_{f-1} (a zero gate), L loses their rows and columns (a select, so
- * that the NaN of K K^T stays out), and the record poisons what depends on
- * them: qg_r = NaN (o rows r >= f come out NaN), e^{gamma_C} = NaN (the state
- * after the chunk, hence every later token), f in FQ_REC_F (the fused kernel
- * zeroes those rows of its Q, K, V tiles, so that no product meets a NaN
- * through a structural zero). Rows r < f are then exactly what they are
- * without the later tokens: an output depends only on tokens at or before it.
+ * Causality (issue 9): f = the chunk's first row r whose L entries c <= r
+ * are not all finite (a non-finite k_r, g_r, beta_r shows there, and a
+ * non-finite k_c in column c of every later row; 64: none). The non-finite
+ * entries of L are zeroed by a select, so A stays finite and its rows r < f,
+ * which hold none, are exact; columns c >= f of A'' and of the column factors
+ * are zero; the record poisons what depends on rows >= f: qg_r = NaN (those
+ * o rows come out NaN), e^{gamma_C} = NaN (the state after the chunk, hence
+ * every later token), f in FQ_REC_F (the fused kernel zeroes those rows of
+ * its Q, K, V tiles, so that no product meets a NaN through a structural
+ * zero). An output then depends only on tokens at or before it.
  *
  * Everything stays in registers and tensor cores (the blocked and persistent kernels above solve the
  * off-diagonal blocks in fp32 FFMA from shared memory, warp 0 doing most of
@@ -712,8 +713,8 @@ template <int K> struct fq_inv_smem {
     static constexpr int off_x = off_a + 64 * LDA * 2;
     static constexpr int off_d = off_x + 4 * 16 * LDX * 2;
     static constexpr int off_vec = off_d + 4 * 16 * LDD * 4;
-    static constexpr int off_f = off_vec + 4 * 64 * 4; /* the item's first poisoned row (an int) */
-    static constexpr int bytes = off_f + 16;
+    static constexpr int off_bad = off_vec + 4 * 64 * 4; /* per warp: its block row's non-finite rows (16 bits) */
+    static constexpr int bytes = off_bad + 16;
 };
 
 
@@ -775,30 +776,6 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     typedef fq_inv_smem<K> SM;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
-    /* causality (the header): f = the first row r < len with a non-finite
-     * k_r (the K tile), gamma_r (the cumulative sum carries a non-finite g)
-     * or beta_r; *s_f was set to 64 before the barrier that precedes us */
-    int *s_f = (int *)((unsigned char *)Ld + (SM::off_f - SM::off_d));
-    {
-        int bad = 64;
-        for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-            const int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-            if (fq_bf16x8_nonfinite(*(const uint4 *)(Ks + r * SM::LDK + c))) bad = min(bad, r);
-        }
-        if (tid < ci.len && !(isfinite(gam[tid]) && isfinite(bet[tid]))) bad = min(bad, tid);
-        bad = __reduce_min_sync(0xffffffffu, bad);
-        if (lane == 0 && bad < 64) atomicMin(s_f, bad);
-    }
-    __syncthreads();
-    const int f = *s_f;
-    if (f < 64) { /* block-uniform, rare: rows >= f enter nothing */
-        if (tid < 64 && tid >= f) {
-            gam[tid] = f > 0 ? gam[f - 1] : 0.f;
-            bet[tid] = 0.f;
-            rkv[tid] = 0.f;
-        }
-        __syncthreads();
-    }
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
      * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
     float l[8][4];
@@ -820,9 +797,15 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     {
         /* the row factors beta_r rk_r and gamma_r of this thread's rows, then
          * column block by column block (blocks above warp w's are all zero;
-         * only the diagonal one needs the c < r mask) */
+         * only the diagonal one needs the c < r mask).
+         * Causality (the header): a row is bad when one of its entries c <= r
+         * is not finite (a non-finite k_r or k_c, gamma, beta all show there,
+         * the diagonal included); such entries are zeroed (a select), so L,
+         * hence A, stays finite, and the rows before the first bad one are
+         * untouched (none of their entries is bad) */
         const float L2E = 1.4426950408889634f;
         float fr[2], gr[2];
+        int bad[2] = {0, 0};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = 16 * warp + gq + 8 * h;
@@ -839,8 +822,18 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             for (int e = 0; e < 4; e++) {
                 const int h = e >> 1, r = 16 * warp + gq + 8 * h, c = c0 + (e & 1);
                 const float x = fr[h] * ((e & 1) ? k1 : k0) * exp2f(gr[h] - ((e & 1) ? g1 : g0)) * l[n][e];
-                l[n][e] = (!diag || c < r) && r < f ? x : 0.f; /* (c < r < f) */
+                const int fin = isfinite(x);
+                if (!diag || c <= r) bad[h] |= !fin;
+                l[n][e] = (!diag || c < r) && fin ? x : 0.f;
             }
+        }
+        /* the warp's bad rows 16 w + gq + 8 h as 16 bits (the 4 lanes of a row or'ed) */
+        const uint32_t b0 = __ballot_sync(0xffffffffu, bad[0]), b1 = __ballot_sync(0xffffffffu, bad[1]);
+        if (lane == 0) {
+            uint32_t m = 0;
+#pragma unroll
+            for (int q = 0; q < 8; q++) m |= (((b0 >> (4 * q)) & 15u) ? 1u : 0u) << q | (((b1 >> (4 * q)) & 15u) ? 1u : 0u) << (q + 8);
+            ((uint32_t *)((unsigned char *)Ld + (SM::off_bad - SM::off_d)))[warp] = m; /* read after the barriers below */
         }
     }
 
@@ -931,6 +924,15 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     }
     __syncthreads();
 
+    /* f = the first bad row (64: none): columns c >= f of A'' are zero, the
+     * record poisons rows r >= f (the header) */
+    int f;
+    {
+        const uint32_t *sb = (const uint32_t *)((const unsigned char *)Ld + (SM::off_bad - SM::off_d));
+        const unsigned long long m = (unsigned long long)sb[0] | (unsigned long long)sb[1] << 16 |
+                                     (unsigned long long)sb[2] << 32 | (unsigned long long)sb[3] << 48;
+        f = m ? __ffsll((long long)m) - 1 : 64;
+    }
     /* A'' = A diag(beta) (bf16, zeros above the diagonal) and the gate record */
     fq_bf16 *ag = args.a + item * 64 * 64;
     for (int idx = tid; idx < 64 * 8; idx += 128) {
@@ -940,7 +942,8 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             float2 y = fq_unpack_bf16(px[e]);
-            px[e] = fq_pack_bf16(y.x * bet[c + 2 * e], y.y * bet[c + 2 * e + 1]);
+            const int c2 = c + 2 * e;
+            px[e] = fq_pack_bf16(c2 < f ? y.x * bet[c2] : 0.f, c2 + 1 < f ? y.y * bet[c2 + 1] : 0.f);
         }
         *(uint4 *)(ag + r * 64 + c) = x;
     }
@@ -952,11 +955,12 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         rec[FQ_REC_G2 + tid] = ga * 1.4426950408889634f;
         rec[FQ_REC_RK + tid] = rk;
         rec[FQ_REC_PRQ + tid] = args.scale * rq;
-        rec[FQ_REC_FA1 + tid] = eg * rk;
         const float nan = __int_as_float(0x7fc00000);
-        rec[FQ_REC_QG + tid] = tid < f ? args.scale * eg * rq : nan;
-        rec[FQ_REC_KD + tid] = __expf(gam[63] - ga) * rk;
-        rec[FQ_REC_BETA + tid] = bet[tid];
+        const int ok = tid < f; /* rows from f on: no column factor, NaN row factor for o */
+        rec[FQ_REC_FA1 + tid] = ok ? eg * rk : 0.f;
+        rec[FQ_REC_QG + tid] = ok ? args.scale * eg * rq : nan;
+        rec[FQ_REC_KD + tid] = ok ? __expf(gam[63] - ga) * rk : 0.f;
+        rec[FQ_REC_BETA + tid] = ok ? bet[tid] : 0.f;
         if (tid < 4)
             rec[FQ_REC_EC + tid] = tid == 0 ? (f < 64 ? nan : __expf(gam[63])) : tid == 1 ? (float)f : 0.f;
     }
@@ -1008,9 +1012,9 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
         __syncthreads(); /* the previous item is done with A, the scratch, the vectors and buffer buf ^ 1 */
         issue(cn, nit, buf ^ 1);
         fq_cp_async_commit();
-        /* A starts as zeros: the blocks above the diagonal stay zero; no row poisoned yet */
+        /* A starts as zeros: the blocks above the diagonal stay zero */
         for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
-        if (tid == 0) *(int *)(smem + SM::off_f) = 64;
+
         if (warp == 0) {
             fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
             fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
