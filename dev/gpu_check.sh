@@ -277,7 +277,8 @@ fi
 # its output goes to $OUT/pre.log and is printed.
 if [ -n "${FQ_PRE_CMD:-}" ]; then
     stage_begin "pre-command"
-    PC=$(cap 300 200)
+    PC=$(cap 300 $(( TESTS * 130 + SAN * 25 + BENCH * 200 )))  # reserves only for the stages that run
+    [ "$PC" -lt 1 ] && PC=1
     timeout "$PC" bash -c "$FQ_PRE_CMD" > "$OUT/pre.log" 2>&1
     rc=$?
     cat "$OUT/pre.log" | tail -n 80
@@ -287,7 +288,7 @@ fi
 # ------------------------------------------------------------------------ tests --
 if [ "$TESTS" = 1 ]; then
     stage_begin "tests"
-    TEST_CAP=$(cap 200 230)
+    TEST_CAP=$(cap 200 $(( SAN * 25 + BENCH * 205 )))
     if [ "$TEST_CAP" -lt 30 ]; then
         stage_end "skipped (no time left)"
     else
