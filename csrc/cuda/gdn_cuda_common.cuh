@@ -18,7 +18,7 @@
  *                          h_c = S;  Vn = U - W S;  S = e^{gamma_C} S + K^T diag(e^{gamma_C - gamma}) Vn
  *   fq_cuda_fwd_output   stage C, per (chunk, value head):
  *                          O = scale (diag(e^gamma) Q S + lower_incl(Q K^T ⊙ Gamma) Vn)
- *   fq_cuda_fwd_poison   o, ht <- NaN when ws->flags[0] says cu_seqlens was invalid
+ *   fq_cuda_fwd_poison   o, ht, checkpoints <- NaN when ws->flags[0] says cu_seqlens was invalid
  *
  * With use_qk_l2norm the normalisation is never materialised: q = rq * q_raw,
  * k = rk * k_raw with per-token scalars rq, rk (ws->rq, ws->rk) folded into the
@@ -434,10 +434,10 @@ fq_status fq_cuda_fwd_state_tiled(const fq_gdn_params *p, const fq_fwd_ws *ws, f
                                 int ksplit, cudaStream_t stream);
 /* Stage C: o from q, k, gamma, h, Vn. */
 fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* Fills o (p->o, p->dtype) and ht (if non-NULL) with NaN when ws->flags[0] is
- * set (invalid cu_seqlens); otherwise does nothing. Other outputs (the
- * backward's) can be poisoned with fq_cuda_poison_if_invalid. */
-fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, cudaStream_t stream);
+/* Fills o, ht and the checkpoints (those requested) with NaN when
+ * ws->flags[0] is set (invalid cu_seqlens); otherwise does nothing. Other
+ * outputs (the backward's) can be poisoned with fq_cuda_poison_if_invalid. */
+fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dtype dt, int64_t n, cudaStream_t stream);
 
 /* FLASHQLA_CHECK_INPUTS=1 (p->check_inputs): copies g, cu_seqlens and

@@ -354,26 +354,18 @@ extern "C" fq_status fq_cuda_poison_if_invalid(const int *flags, void *x, fq_dty
     return FQ_OK;
 }
 
-extern "C" fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht,
-                                        cudaStream_t stream)
+/* Invalid cu_seqlens: NaN outputs, o, ht and [serving] the checkpoints (a pool
+ * is left as it was: every sequence counted as empty wrote back its start). */
+extern "C" fq_status fq_cuda_fwd_poison(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     if (!p->cu_seqlens) return FQ_OK; /* only cu_seqlens contents can be invalid */
     fq_status st = fq_cuda_poison_if_invalid(ws->flags, p->o, p->dtype, p->B * p->T * p->HV * p->V,
                                              stream);
+    if (st == FQ_OK && p->checkpoint_every)
+        st = fq_cuda_poison_if_invalid(ws->flags, p->checkpoints, FQ_F32,
+                                       fq_checkpoint_rows(p) * p->HV * p->K * p->V, stream);
     if (st != FQ_OK) return st;
-    return fq_cuda_poison_if_invalid(ws->flags, ht, FQ_F32, p->N * p->HV * p->K * p->V, stream);
-}
-
-/* Invalid cu_seqlens: NaN outputs, o, ht and [serving] the checkpoints (a pool
- * is left as it was: every sequence counted as empty wrote back its start). */
-static fq_status fq_cuda_fwd_poison_all(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    fq_status st;
-    if (p->checkpoint_every && p->cu_seqlens &&
-        (st = fq_cuda_poison_if_invalid(ws->flags, p->checkpoints, FQ_F32,
-                                        fq_checkpoint_rows(p) * p->HV * p->K * p->V, stream)) != FQ_OK)
-        return st;
-    return fq_cuda_fwd_poison(p, ws, (float *)p->ht, stream);
+    return fq_cuda_poison_if_invalid(ws->flags, p->ht, FQ_F32, p->N * p->HV * p->K * p->V, stream);
 }
 
 /* -------------------------------------------------------- entry points ---- */
@@ -394,22 +386,14 @@ extern "C" fq_status fq_cuda_on_device(const fq_gdn_params *p, fq_status (*fn)(c
     return st;
 }
 
-/* The fused kernel runs every forward where the device has it (it reads h0
- * and writes ht, a pool's slots included, in either state layout, and stores
- * the checkpoints from its registers); the three-stage forward is the
- * fallback elsewhere. */
-static int fq_cuda_fwd_fused_serves(const fq_gdn_params *p)
-{
-    return fq_cuda_fwd_fused_available(p);
-}
-
-/* The fused forward where the current device runs it (asked without a
- * device switch: the binding sizes the workspace before the call), else the
- * three-stage forward, whose workspace is larger. */
+/* The fused forward where the current device runs it (every forward there:
+ * h0 / ht, a pool's slots, either state layout and the checkpoints are its
+ * own; asked without a device switch: the binding sizes the workspace before
+ * the call), else the three-stage forward, whose workspace is larger. */
 extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
 {
     return fq_cuda_gates_ws_bytes(p, 'f') +
-           (fq_cuda_fwd_fused_serves(p) ? fq_cuda_fwd_fused_ws_layout(p, NULL, NULL) : fq_cuda_fwd_ws_layout(p, NULL, NULL));
+           (fq_cuda_fwd_fused_available(p) ? fq_cuda_fwd_fused_ws_layout(p, NULL, NULL) : fq_cuda_fwd_ws_layout(p, NULL, NULL));
 }
 
 /* Fused forward: 0. as below, A. gamma and A = (I+L)^-1 per chunk, B+C. the
@@ -424,7 +408,7 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st; /* [serving] */
     if ((st = fq_cuda_fwd_inverse(p, &ws, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_fused(p, &ws, stream)) != FQ_OK) return st;
-    return fq_cuda_fwd_poison_all(p, &ws, stream);
+    return fq_cuda_fwd_poison(p, &ws, stream);
 }
 
 static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
@@ -436,7 +420,7 @@ static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
     fq_status st = fq_cuda_gates_begin(caller, 'f', &pg, stream);
     if (st != FQ_OK) return st;
     const fq_gdn_params *p = &pg;
-    if (fq_cuda_fwd_fused_serves(p) && p->workspace &&
+    if (fq_cuda_fwd_fused_available(p) && p->workspace &&
         p->workspace_bytes >= fq_cuda_fwd_fused_ws_layout(p, NULL, NULL))
         return fq_chunk_fwd_fused(p);
     if ((st = fq_cuda_check_workspace(p, fq_cuda_fwd_ws_layout(p, NULL, NULL))) != FQ_OK) return st;
@@ -451,7 +435,7 @@ static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
     if ((st = fq_cuda_fwd_state(p, &ws, (float *)p->ht, 0, stream)) != FQ_OK) return st;
     /* C. outputs */
     if ((st = fq_cuda_fwd_output(p, &ws, stream)) != FQ_OK) return st;
-    return fq_cuda_fwd_poison_all(p, &ws, stream);
+    return fq_cuda_fwd_poison(p, &ws, stream);
 }
 
 extern "C" fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p)

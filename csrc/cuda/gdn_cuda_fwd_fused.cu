@@ -115,6 +115,23 @@ static __device__ __forceinline__ float *fq_f32_tile(float *U, int row, int col)
     return U + row * FQ_F32_LD + col;
 }
 
+/* The chain's S^T accumulators (the lane's rows v = 16 w + g + 8 h, columns
+ * kd = 8 nb + 2 t + e) as state elements (kd, c0 + v) of a K x cols matrix at
+ * dst in layout vk (fq_state_at): ht, a pool slot, a checkpoint, or columns
+ * of a segment's [M | D]. */
+template <int K>
+static __device__ __forceinline__ void fq_chain_store_state(const float *S, float *dst, int c0, int cols, int vk, int w,
+                                                            int g, int t)
+{
+#pragma unroll
+    for (int nb = 0; nb < K / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
+            dst[fq_state_at(kd, c0 + v, K, cols, vk)] = S[4 * nb + e];
+        }
+}
+
 /* The A fragment of K-step kk (columns 16 kk..) for warp w's 16 rows of a
  * 64 x 64 bf16 SWIZZLE_128B tile, by ldmatrix. */
 static __device__ __forceinline__ void fq_ldsm_a_sw128(uint32_t a[4], const unsigned char *tile, int w, int kk)
@@ -616,13 +633,7 @@ __global__ void __launch_bounds__(384, 1)
             const int c = si.cfirst + i + 1;
             if (args.ckpt && len == 64 && c % args.ck_chunks == 0) {
                 float *ck = args.ckpt + ((args.cu_ck[si.seq] + c / args.ck_chunks - 1) * HV + j) * (int64_t)K * V;
-#pragma unroll
-                for (int nb = 0; nb < K / 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                        ck[fq_state_at(kd, 64 * vb + v, K, V, args.vk)] = S[4 * nb + e];
-                    }
+                fq_chain_store_state<K>(S, ck, 64 * vb, V, args.vk, w, g, t);
             }
             } /* FULL */
 #pragma unroll
@@ -645,15 +656,7 @@ __global__ void __launch_bounds__(384, 1)
             dcols = V;
             dvk = args.vk;
         }
-        if (dst) {
-#pragma unroll
-            for (int nb = 0; nb < K / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                    dst[dbase + fq_state_at(kd, c0 + v, K, dcols, dvk)] = S[4 * nb + e];
-                }
-        }
+        if (dst) fq_chain_store_state<K>(S, dst + dbase, c0, dcols, dvk, w, g, t);
     }
 #endif
 }

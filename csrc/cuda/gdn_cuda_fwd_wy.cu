@@ -141,18 +141,12 @@ static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float 
     }
 }
 
-/* Shared by the blocked and persistent kernels (one 64-token chunk, 4 warps, fp32 tiles of
- * row stride FQ_WY_LDF in shared memory):
- * L = strict_lower(diag(beta) (K K^T ⊙ Gamma)), scaled by the inverse key norms
- * rk: warp w writes rows 16w..16w+15, column blocks 0..w (the blocks above stay
- * unwritten: the callers use them as scratch). */
+/* acc = block row `warp` of K K^T (rows 16 warp.., column blocks 0..warp; the
+ * blocks above stay zero) as mma.sync accumulators, acc[n] the n8 block n, from
+ * the bf16 K tile Ks [64][LDK] in shared memory. Shared by every stage A kernel. */
 template <int K, int LDK>
-static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf, const float *gam,
-                                                   const float *bet, const float *rkv, int warp, int gq,
-                                                   int tq)
+static __device__ __forceinline__ void fq_kkt_block_row(float (*acc)[4], const fq_bf16 *Ks, int warp)
 {
-    constexpr int LDF = FQ_WY_LDF;
-    float acc[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 #pragma unroll
@@ -168,6 +162,21 @@ static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf,
             fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
         }
     }
+}
+
+/* Shared by the blocked and persistent kernels (one 64-token chunk, 4 warps, fp32 tiles of
+ * row stride FQ_WY_LDF in shared memory):
+ * L = strict_lower(diag(beta) (K K^T ⊙ Gamma)), scaled by the inverse key norms
+ * rk: warp w writes rows 16w..16w+15, column blocks 0..w (the blocks above stay
+ * unwritten: the callers use them as scratch). */
+template <int K, int LDK>
+static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf, const float *gam,
+                                                   const float *bet, const float *rkv, int warp, int gq,
+                                                   int tq)
+{
+    constexpr int LDF = FQ_WY_LDF;
+    float acc[8][4];
+    fq_kkt_block_row<K, LDK>(acc, Ks, warp);
 #pragma unroll
     for (int n = 0; n < 8; n++) {
         if ((n >> 1) > warp) continue;
@@ -779,21 +788,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
      * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
     float l[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) l[n][0] = l[n][1] = l[n][2] = l[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
-        uint32_t a[4];
-        fq_frag_a(a, Ks, SM::LDK, 16 * warp, 16 * kk);
-#pragma unroll
-        for (int n2 = 0; n2 < 4; n2++) {
-            if (n2 > warp) continue;
-            uint32_t b[4];
-            fq_frag_b_nk(b, Ks, SM::LDK, 16 * n2, 16 * kk);
-            fq_mma_bf16(l[2 * n2], a, b[0], b[1]);
-            fq_mma_bf16(l[2 * n2 + 1], a, b[2], b[3]);
-        }
-    }
+    fq_kkt_block_row<K, SM::LDK>(l, Ks, warp);
     {
         /* the row factors beta_r rk_r and gamma_r of this thread's rows, then
          * column block by column block (blocks above warp w's are all zero;

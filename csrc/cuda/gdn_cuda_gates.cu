@@ -19,8 +19,7 @@
  *
  * The gate region (fq_cuda_gates_ws_bytes) is reserved at the start of the
  * chunk workspace only when a call fuses a gate: the workspace size depends on
- * the sizes, checkpoint_every and the two gate flags (flashqla._C.workspace_bytes
- * takes them).
+ * the sizes and the two gate flags (flashqla._C.workspace_bytes takes them).
  */
 #include "gdn_cuda_common.cuh"
 

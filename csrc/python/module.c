@@ -412,30 +412,27 @@ static int fq_dtype_from_name(const char *s, fq_dtype *out)
 }
 
 PyDoc_STRVAR(fq_workspace_bytes_doc,
-"workspace_bytes(op, B, T, H, HV, K, V, N, dtype, *, checkpoint_every=0,\n"
-"                use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False) -> int\n\n"
+"workspace_bytes(op, B, T, H, HV, K, V, N, dtype, *, use_gate_in_kernel=False,\n"
+"                use_beta_sigmoid_in_kernel=False) -> int\n\n"
 "Bytes of CUDA scratch the call needs in its `workspace` argument; op is\n"
 "\"fwd\", \"bwd\" or \"recurrent\", dtype \"float32\", \"float16\", \"bfloat16\"\n"
-"or \"float64\"; the keywords as the call will pass them (checkpoints take\n"
-"the larger three-stage forward, fused gates a region of their own). 0 when\n"
-"CUDA is not built.");
+"or \"float64\"; the gate flags as the call will pass them (fused gates take\n"
+"a region of their own). 0 when CUDA is not built.");
 
 static PyObject *fq_workspace_bytes(PyObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"op", "B", "T", "H", "HV", "K", "V", "N", "dtype", "checkpoint_every",
+    static char *kwlist[] = {"op", "B", "T", "H", "HV", "K", "V", "N", "dtype",
                              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", NULL};
-    PyObject *obj[9] = {NULL}, *ck_obj = NULL;
+    PyObject *obj[9] = {NULL};
     int use_gate = 0, use_sig = 0;
-    long long ck = 0;
     const char *op = NULL, *dtype = NULL;
     long long sz[7];
     fq_gdn_params p;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOO|$Opp:workspace_bytes", kwlist, &obj[0], &obj[1],
-                                     &obj[2], &obj[3], &obj[4], &obj[5], &obj[6], &obj[7], &obj[8], &ck_obj,
-                                     &use_gate, &use_sig))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOO|$pp:workspace_bytes", kwlist, &obj[0], &obj[1],
+                                     &obj[2], &obj[3], &obj[4], &obj[5], &obj[6], &obj[7], &obj[8], &use_gate,
+                                     &use_sig))
         return NULL;
-    if (ck_obj && fq_int_arg(ck_obj, "checkpoint_every", 0, INT64_MAX / 16, "an int >= 0", &ck) < 0) return NULL;
     if (!PyUnicode_Check(obj[0])) {
         PyErr_Format(PyExc_TypeError, "op: expected \"fwd\", \"bwd\" or \"recurrent\", got %.200s",
                      Py_TYPE(obj[0])->tp_name);
@@ -473,7 +470,6 @@ static PyObject *fq_workspace_bytes(PyObject *self, PyObject *args, PyObject *kw
     p.N = N;
     p.P = N;
     p.state_dtype = p.dtype == FQ_F64 ? FQ_F64 : FQ_F32;
-    p.checkpoint_every = ck;
     p.use_gate_in_kernel = use_gate;
     p.use_beta_sigmoid_in_kernel = use_sig;
     size_t bytes;

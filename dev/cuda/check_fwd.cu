@@ -306,7 +306,7 @@ static fq_status run_fwd_cfg(fq_gdn_params *p, const Cfg &c)
     st = fq_cuda_fwd_state_tiled(p, &ws, (float *)p->ht, c.bv, c.ks, s);
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_output(p, &ws, s)) != FQ_OK) return st;
-    return fq_cuda_fwd_poison(p, &ws, (float *)p->ht, s);
+    return fq_cuda_fwd_poison(p, &ws, s);
 }
 
 static void report_cfg(const char *name, const Cfg &c, const char *what, double rel, double tol)
