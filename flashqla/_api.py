@@ -171,12 +171,9 @@ def gdn_chunk_fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     goes to gdn_chunk_bwd. Works for every framework (JAX: flashqla.jax's
     custom calls, without the serving options: use flashqla.jax.gdn_chunk,
     which differentiates through them)."""
-    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = public_arrays(
-        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-         ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)],
-        required=("q", "k", "v", "g", "beta"))
-    fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                           ("A_log", A_log), ("dt_bias", dt_bias)])
+    arrays, fw = _prepared.chunk_public_arrays(q, k, v, g, beta, initial_state, cu_seqlens, A_log,
+                                               dt_bias)
+    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = arrays
     if fw is JAX:
         if state_layout != "kv" or use_gate_in_kernel or use_beta_sigmoid_in_kernel:
             raise ValueError("state_layout, use_gate_in_kernel, use_beta_sigmoid_in_kernel: not "

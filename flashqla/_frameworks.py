@@ -54,7 +54,7 @@ class Framework:
     def launch(self, op, like, sizes, dtype_name, **options):
         """Keyword arguments stream= and workspace= for a _C call on like's device;
         options: what the workspace size depends on besides the sizes
-        (_C.workspace_bytes' keywords: checkpoint_every, the gate flags)."""
+        (_C.workspace_bytes' keywords: the gate flags)."""
         return {}
 
     def before_call(self, arrays):

@@ -182,8 +182,7 @@ def chunk_fwd_prepared(fw, q, k, v, g, beta, h0, cu, scale, output_final_state,
     if checkpoint_every:
         ck = fw.empty((B * (T // checkpoint_every), HV) + state_dims(K, V, state_layout), sd, q)
         cuck = fw.empty((N + 1,), "int64", q)
-    launch = fw.launch("fwd", q, sizes, dt, checkpoint_every=int(checkpoint_every or 0),
-                       **gates.workspace_options())
+    launch = fw.launch("fwd", q, sizes, dt, **gates.workspace_options())
     fw.before_call((q, k, v, g, beta, h0, cu, pool, idx, gates.A_log, gates.dt_bias))
     x = fw.export
     _C.chunk_fwd(x(q), x(k), x(v), x(g), x(beta), x(o), scale=scale, initial_state=x(h0),
@@ -250,6 +249,20 @@ class ChunkContext:
                 f"use_qk_l2norm={self.use_qk_l2norm})")
 
 
+def chunk_public_arrays(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+    """The chunk functions' arrays as the binding takes them (capsules and
+    __dlpack__ objects imported) and their framework: ((q, k, v, g, beta,
+    initial_state, cu_seqlens, A_log, dt_bias), fw)."""
+    arrays = public_arrays(
+        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+         ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)],
+        required=("q", "k", "v", "g", "beta"))
+    q, _, _, g, beta, initial_state, _, A_log, dt_bias = arrays
+    fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                           ("A_log", A_log), ("dt_bias", dt_bias)])
+    return arrays, fw
+
+
 def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
                   output_final_state=False, cu_seqlens=None, use_qk_l2norm=False,
                   state_layout="kv", use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -262,12 +275,8 @@ def gdn_chunk_fwd(q, k, v, g, beta, *, scale=None, initial_state=None,
     (JAX arrays take flashqla.jax.gdn_chunk_fwd, an XLA custom call)."""
     check_layout(state_layout)
     grad_dtypes = None
-    q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias = public_arrays(
-        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-         ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)],
-        required=("q", "k", "v", "g", "beta"))
-    fw = common_framework([("q", q), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                           ("A_log", A_log), ("dt_bias", dt_bias)])
+    (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias), fw = chunk_public_arrays(
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     if fw is not None:
         grad_dtypes = tuple(None if x is None else fw.dtype_name(x)
                             for x in (g, beta, initial_state, A_log, dt_bias))

@@ -50,8 +50,8 @@ from torch.utils.dlpack import to_dlpack as _to_dlpack
 from . import _C
 from ._frameworks import TORCH, _numpy_index, scale_of
 from ._prepared import (NO_GATES, FusedGates, check_layout, chunk_bwd_prepared,
-                        chunk_fwd_prepared, commit_prepared, recurrent_prepared, sizes_of,
-                        state_dims)
+                        chunk_fwd_prepared, commit_prepared, prepare_gate_params,
+                        recurrent_prepared, sizes_of, state_dims)
 
 __all__ = ["chunk_fwd", "chunk_bwd", "recurrent", "chunk_fwd_serving", "commit", "gdn_chunk",
            "gdn_recurrent", "gdn_commit"]
@@ -402,7 +402,7 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     h0 = _state(initial_state, q)
     cu = _index(cu_seqlens, q, "cu_seqlens")
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
-    A, dtb = _gate_params(q, use_gate_in_kernel, A_log, dt_bias)
+    A, dtb = prepare_gate_params(TORCH, q, use_gate_in_kernel, A_log, dt_bias)
     scale = scale_of(scale, q)
     use_gate, use_sig = bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel)
     grad = torch.is_grad_enabled() and any(
@@ -427,19 +427,6 @@ def gdn_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     else:
         o, ht = torch.ops.flashqla.chunk_fwd(*args)
     return o, (ht if output_final_state else None)
-
-
-def _gate_params(q, use_gate_in_kernel, A_log, dt_bias):
-    """A_log, dt_bias in the parameter dtype (float32; float64 with float64
-    inputs), or (None, None) without use_gate_in_kernel (FLA ignores them then)."""
-    if not use_gate_in_kernel:
-        return None, None
-    if A_log is None:
-        raise ValueError("A_log: required with use_gate_in_kernel=True "
-                         "(g = -exp(A_log) * softplus(a + dt_bias))")
-    _check_ndim(A_log, "A_log", 1, "[HV]")
-    _check_ndim(dt_bias, "dt_bias", 1, "[HV]")
-    return _state(A_log, q), _state(dt_bias, q)
 
 
 def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu_seqlens=None,
@@ -468,7 +455,7 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
     _check_ndim(idx, "state_indices", 1, "[N]")
     cu = _index(cu_seqlens, q, "cu_seqlens")
     _check_ndim(cu, "cu_seqlens", 1, "[N + 1]")
-    A, dtb = _gate_params(q, use_gate_in_kernel, A_log, dt_bias)
+    A, dtb = prepare_gate_params(TORCH, q, use_gate_in_kernel, A_log, dt_bias)
     if A is not None:
         A, dtb = A.detach(), (None if dtb is None else dtb.detach())
     scale = scale_of(scale, q)

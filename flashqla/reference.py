@@ -242,6 +242,13 @@ def forward(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
     """q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV]; initial_state
     [N, HV, K, V]; cu_seqlens [N + 1]. Returns (o [B,T,HV,V], final_state
     [N,HV,K,V]), both float64."""
+    o, ht, _ = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, False)
+    return o, ht
+
+
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, trajectories):
+    """(o, final_state, the states after every token per sequence (a list;
+    None unless trajectories)) for forward and states."""
     q, k, v, g, beta = (_f64(x) for x in (q, k, v, g, beta))
     B, T, H, HV, K, V = _shapes(q, k, v, g, beta)
     scale = K ** -0.5 if scale is None else float(scale)
@@ -250,11 +257,15 @@ def forward(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None
     qn, kn, _, _ = _prepare(q, k, use_qk_l2norm)
     o = np.zeros((B, T, HV, V))
     ht = np.zeros((N, HV, K, V))
+    trajs = [None] * N if trajectories else None
     for n, b, s, e in _sequences(B, T, cu_seqlens):
+        traj = [] if trajectories else None
         o[b, s:e], ht[n] = _sequence_forward(
             _expand_heads(qn[b, s:e], HV), _expand_heads(kn[b, s:e], HV), v[b, s:e],
-            g[b, s:e], beta[b, s:e], h0[n], scale)
-    return o, ht
+            g[b, s:e], beta[b, s:e], h0[n], scale, trajectory=traj)
+        if trajectories:
+            trajs[n] = np.stack(traj) if traj else np.zeros((0, HV, K, V))
+    return o, ht, trajs
 
 
 def backward(q, k, v, g, beta, do, *, dfinal_state=None, scale=None, initial_state=None,
@@ -297,19 +308,7 @@ def states(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
     [L_n, HV, K, V] (entry t: the state after token t of the sequence). The
     speculative-verify intermediate states and the prefix-cache checkpoints
     are rows of these."""
-    q, k, v, g, beta = (_f64(x) for x in (q, k, v, g, beta))
-    B, T, H, HV, K, V = _shapes(q, k, v, g, beta)
-    scale = K ** -0.5 if scale is None else float(scale)
-    N = _num_sequences(B, cu_seqlens)
-    h0 = np.zeros((N, HV, K, V)) if initial_state is None else _f64(initial_state)
-    qn, kn, _, _ = _prepare(q, k, use_qk_l2norm)
-    out = [None] * N
-    for n, b, s, e in _sequences(B, T, cu_seqlens):
-        traj = []
-        _sequence_forward(_expand_heads(qn[b, s:e], HV), _expand_heads(kn[b, s:e], HV), v[b, s:e],
-                          g[b, s:e], beta[b, s:e], h0[n], scale, trajectory=traj)
-        out[n] = np.stack(traj) if traj else np.zeros((0, HV, K, V))
-    return out
+    return _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, True)[2]
 
 
 def _softplus(x):

@@ -54,6 +54,17 @@ def decay_rates(HV, a_max=16.0):
     return np.linspace(0.0, a_max, HV)
 
 
+def raw_gates(B, T, HV, seed=0, dt_bias=True):
+    """Raw fused-gate inputs: a, b [B, T, HV] ~ randn, A_log [HV] (decay rates
+    0.05 .. 8) and dt_bias [HV] ~ randn (None without dt_bias)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((B, T, HV))
+    b = rng.standard_normal((B, T, HV))
+    A_log = np.log(np.linspace(0.05, 8.0, HV))
+    dtb = rng.standard_normal(HV) if dt_bias else None
+    return a, b, A_log, dtb
+
+
 def make_inputs(B, T, H, HV, K, V, *, seed=0, h0=True, seqlens=None, a_max=16.0,
                 normalize_qk=True, dht=False):
     """float64 NumPy inputs shaped like a real model's (DESIGN §3). With

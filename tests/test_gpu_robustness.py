@@ -142,18 +142,25 @@ def test_cuda_nan_stays_in_its_request(field, layout):
     _check_others(_run_c(t), _reference(t), t, bad_seq, bad_head)
 
 
+NAN_TOKEN = 150                                   # in chunk 2 (tokens 128..191)
+
+
+def _forward_with_nan(field):
+    """(o, ht, reference o) of one sequence of 200 tokens, 2 value heads, with
+    a NaN in `field` at token NAN_TOKEN of value head 0 (k: of the one q/k head)."""
+    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4)
+    if field in ("v", "k"):
+        inp[field][0, NAN_TOKEN, 0, 1] = np.nan
+    else:
+        inp[field][0, NAN_TOKEN, 0] = np.nan
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    o, ht = c_chunk_fwd(t)
+    return to_f64(o), to_f64(ht), _reference(t)["o"]
+
+
 @pytest.mark.parametrize("field", ["v", "k", "beta", "g"])
 def test_cuda_nan_does_not_reach_earlier_chunks(field):
-    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4)
-    tok = 150                                     # chunk 2 (tokens 128..191)
-    if field in ("v", "k"):
-        inp[field][0, tok, 0, 1] = np.nan
-    else:
-        inp[field][0, tok, 0] = np.nan
-    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
-    o, _ = c_chunk_fwd(t)
-    o = to_f64(o)
-    ref = _reference(t)["o"]
+    o, _, ref = _forward_with_nan(field)
     assert np.isfinite(o[0, :128]).all()
     assert rel_error(o[0, :128], ref[0, :128]) <= TOL_BF16_OUT
     if field != "k":                              # (H = 1: every value head reads k)
@@ -175,22 +182,14 @@ def _fused_forward_runs():
     "poisons what depends on them instead."))
 @pytest.mark.parametrize("field", ["v", "k", "beta", "g"])
 def test_cuda_nan_does_not_reach_earlier_tokens_of_its_chunk(field):
-    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4)
-    tok = 150                                     # chunk 2 (tokens 128..191)
-    if field in ("v", "k"):
-        inp[field][0, tok, 0, 1] = np.nan
-    else:
-        inp[field][0, tok, 0] = np.nan
-    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
-    o, ht = c_chunk_fwd(t)
-    o = to_f64(o)
-    ref = _reference(t)["o"]
+    o, ht, ref = _forward_with_nan(field)
+    tok = NAN_TOKEN
     assert np.isfinite(o[0, :tok]).all()
     assert rel_error(o[0, :tok], ref[0, :tok]) <= TOL_BF16_OUT
     # nothing silently wrong after it: value head 0's o from the token on and its
     # final state hold NaN (v: in the columns of the NaN's block of 64)
     assert np.isnan(o[0, tok:, 0]).any(axis=-1).all()
-    assert np.isnan(to_f64(ht)[0, 0]).any()
+    assert np.isnan(ht[0, 0]).any()
 
 
 def _reset(g, kind):

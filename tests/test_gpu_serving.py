@@ -17,7 +17,7 @@ import pytest
 import flashqla
 from flashqla import reference as R
 from gdn_testing import (TOL_BF16_DG, TOL_BF16_GRAD, TOL_BF16_OUT, assert_close, make_inputs,
-                         to_f64)
+                         raw_gates, to_f64)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +35,8 @@ def _vk(x):
     return x.transpose(-1, -2).contiguous()
 
 
-def _raw_gates(B, T, seed, dt_bias=True):
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((B, T, HV))
-    b = rng.standard_normal((B, T, HV))
-    A_log = np.log(np.linspace(0.05, 8.0, HV))
-    dtb = rng.standard_normal(HV) if dt_bias else None
-    return a, b, A_log, dtb
+def _raw_gates(B, T, seed=0, dt_bias=True):
+    return raw_gates(B, T, HV, seed, dt_bias)
 
 
 def _qkv(inp, dtype=torch.bfloat16):

@@ -10,7 +10,7 @@ import pytest
 
 import flashqla
 from flashqla import reference as R
-from gdn_testing import assert_close, make_inputs, tolerance, to_f64
+from gdn_testing import assert_close, make_inputs, raw_gates, tolerance, to_f64
 
 HV, H, K, V = 4, 2, 32, 32
 
@@ -26,13 +26,7 @@ def _vk(x):
 
 
 def _raw_gates(B, T, seed=0, dt_bias=True):
-    """Raw a, b [B, T, HV] and per-head A_log (decay rates 0.05 .. 8), dt_bias."""
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((B, T, HV))
-    b = rng.standard_normal((B, T, HV))
-    A_log = np.log(np.linspace(0.05, 8.0, HV))
-    dtb = rng.standard_normal(HV) if dt_bias else None
-    return a, b, A_log, dtb
+    return raw_gates(B, T, HV, seed, dt_bias)
 
 
 # ------------------------------------------------------------ fused gates ----
