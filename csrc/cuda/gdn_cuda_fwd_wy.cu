@@ -141,6 +141,23 @@ static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float 
     }
 }
 
+/* Rows r < ci.len of chunk ci of one head of a bf16 [rows, nheads, NC] array
+ * into a [64][LD] shared tile by cp.async (128 threads; rows past len become
+ * zeros: a 0-byte copy from the base); tid = threadIdx.x. No commit. The
+ * blocked and persistent kernels' K and V tiles. */
+template <int NC, int LD>
+static __device__ __forceinline__ void fq_wy_load_rows(fq_bf16 *dst, const fq_bf16 *base, int nheads, int head,
+                                                       fq_chunk_info ci, int tid)
+{
+    for (int idx = tid; idx < 64 * (NC / 8); idx += 128) {
+        int r = idx / (NC / 8), c = (idx % (NC / 8)) * 8;
+        const fq_bf16 *src = base;
+        int bytes = 0;
+        if (r < ci.len) { src = base + ((int64_t)(ci.row0 + r) * nheads + head) * NC + c; bytes = 16; }
+        fq_cp_async16(dst + r * LD + c, src, bytes);
+    }
+}
+
 /* acc = block row `warp` of K K^T (rows 16 warp.., column blocks 0..warp; the
  * blocks above stay zero) as mma.sync accumulators, acc[n] the n8 block n, from
  * the bf16 K tile Ks [64][LDK] in shared memory. Shared by every stage A kernel. */
@@ -313,22 +330,8 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args ar
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
 
-    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-        const fq_bf16 *src = args.kb;
-        int bytes = 0;
-        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
-        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
-    }
-    auto load_v = [&]() {
-        for (int idx = tid; idx < 64 * (V / 8); idx += 128) {
-            int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
-            const fq_bf16 *src = args.vb;
-            int bytes = 0;
-            if (r < ci.len) { src = args.vb + ((int64_t)(ci.row0 + r) * HV + j) * V + c; bytes = 16; }
-            fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
-        }
-    };
+    fq_wy_load_rows<K, SM::LDK>(Ks, args.kb, args.H, hq, ci, tid);
+    auto load_v = [&]() { fq_wy_load_rows<V, SM::LDV>(Vs, args.vb, HV, j, ci, tid); };
     fq_cp_async_commit(); /* K only: V comes once L is dead */
     /* gamma = cumsum(g) (one warp: tokens lane and lane + 32), beta, rk and
      * the W column factors fw = beta e^gamma rk */
@@ -508,20 +511,8 @@ static __device__ __forceinline__ void fq_wy_issue_loads(const fq_wy_args &args,
 {
     typedef fq_wy_persistent_smem<K, V> SM;
     const int tid = threadIdx.x, hq = j / (args.HV / args.H);
-    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
-        const fq_bf16 *src = args.kb;
-        int bytes = 0;
-        if (r < ci.len) { src = args.kb + ((int64_t)(ci.row0 + r) * args.H + hq) * K + c; bytes = 16; }
-        fq_cp_async16(Ks + r * SM::LDK + c, src, bytes);
-    }
-    for (int idx = tid; idx < 64 * (V / 8); idx += 128) {
-        int r = idx / (V / 8), c = (idx % (V / 8)) * 8;
-        const fq_bf16 *src = args.vb;
-        int bytes = 0;
-        if (r < ci.len) { src = args.vb + ((int64_t)(ci.row0 + r) * args.HV + j) * V + c; bytes = 16; }
-        fq_cp_async16(Vs + r * SM::LDV + c, src, bytes);
-    }
+    fq_wy_load_rows<K, SM::LDK>(Ks, args.kb, args.H, hq, ci, tid);
+    fq_wy_load_rows<V, SM::LDV>(Vs, args.vb, args.HV, j, ci, tid);
 }
 
 /* g, beta, rk of tokens lane and lane + 32 of chunk ci (zeros past len, or
@@ -986,6 +977,8 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
         const int hq = (int)(it % HV) / (HV / H);
         fq_bf16 *Kb = (fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k));
         if (c.seq < 0) return;
+        /* (fq_wy_load_rows' loop, written out: through the helper this kernel
+         * compiles to different, untested machine code) */
         for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
             int r = idx / (K / 8), cc = (idx % (K / 8)) * 8;
             const fq_bf16 *src = args.kb;
