@@ -110,6 +110,10 @@ static int fq_stage_import(fq_call *c)
     return 0;
 }
 
+/* The dtype of the slot's tensor t as text: formatted only for a message
+ * (a call that passes formats nothing). */
+#define GOT fq_dl_dtype_str(t, got, sizeof got)
+
 /* Stage 2: dtypes. */
 static int fq_stage_dtype(fq_call *c)
 {
@@ -121,7 +125,6 @@ static int fq_stage_dtype(fq_call *c)
         if (!s->a.t) continue;
         DLDataType t = s->a.t->dtype;
         fq_dtype d;
-        fq_dl_dtype_str(t, got, sizeof got);
         switch (s->kind) {
         case FQ_QK:
         case FQ_V:
@@ -129,12 +132,12 @@ static int fq_stage_dtype(fq_call *c)
                 if (!fq_float_dtype(t, &c->dtype)) {
                     PyErr_Format(PyExc_TypeError,
                                  "%s: expected dtype float32, float16, bfloat16 or float64, got %s",
-                                 s->name, got);
+                                 s->name, GOT);
                     return -1;
                 }
             } else if (!fq_float_dtype(t, &d) || d != c->dtype) {
                 PyErr_Format(PyExc_TypeError, "%s: expected dtype %s like %s, got %s", s->name,
-                             fq_dtype_name(c->dtype), c->slots[0].name, got);
+                             fq_dtype_name(c->dtype), c->slots[0].name, GOT);
                 return -1;
             }
             break;
@@ -142,10 +145,10 @@ static int fq_stage_dtype(fq_call *c)
             if (!have_gate) {
                 if (!fq_float_dtype(t, &d) || (d != FQ_F32 && d != c->dtype)) {
                     if (c->dtype == FQ_F32)
-                        PyErr_Format(PyExc_TypeError, "%s: expected dtype float32, got %s", s->name, got);
+                        PyErr_Format(PyExc_TypeError, "%s: expected dtype float32, got %s", s->name, GOT);
                     else
                         PyErr_Format(PyExc_TypeError, "%s: expected dtype float32 or %s (like %s), got %s",
-                                     s->name, fq_dtype_name(c->dtype), c->slots[0].name, got);
+                                     s->name, fq_dtype_name(c->dtype), c->slots[0].name, GOT);
                     return -1;
                 }
                 c->gate_dtype = d;
@@ -153,7 +156,7 @@ static int fq_stage_dtype(fq_call *c)
                 gate_first = s->name;
             } else if (!fq_float_dtype(t, &d) || d != c->gate_dtype) {
                 PyErr_Format(PyExc_TypeError, "%s: expected dtype %s like %s, got %s", s->name,
-                             fq_dtype_name(c->gate_dtype), gate_first, got);
+                             fq_dtype_name(c->gate_dtype), gate_first, GOT);
                 return -1;
             }
             break;
@@ -162,7 +165,7 @@ static int fq_stage_dtype(fq_call *c)
                 if (!fq_float_dtype(t, &d) || !(d == FQ_F32 || (d == FQ_F64 && c->dtype == FQ_F64))) {
                     PyErr_Format(PyExc_TypeError,
                                  "%s: expected dtype float32 (float64 only with float64 inputs), got %s",
-                                 s->name, got);
+                                 s->name, GOT);
                     return -1;
                 }
                 c->param_dtype = d;
@@ -170,13 +173,13 @@ static int fq_stage_dtype(fq_call *c)
                 param_first = s->name;
             } else if (!fq_float_dtype(t, &d) || d != c->param_dtype) {
                 PyErr_Format(PyExc_TypeError, "%s: expected dtype %s like %s, got %s", s->name,
-                             fq_dtype_name(c->param_dtype), param_first, got);
+                             fq_dtype_name(c->param_dtype), param_first, GOT);
                 return -1;
             }
             break;
         case FQ_CUCK:
             if (t.code != kDLInt || t.bits != 64 || t.lanes != 1) {
-                PyErr_Format(PyExc_TypeError, "%s: expected dtype int64, got %s", s->name, got);
+                PyErr_Format(PyExc_TypeError, "%s: expected dtype int64, got %s", s->name, GOT);
                 return -1;
             }
             break;
@@ -189,12 +192,12 @@ static int fq_stage_dtype(fq_call *c)
                 if (!ok) {
                     if (c->dtype == FQ_F64)
                         PyErr_Format(PyExc_TypeError, "%s: expected dtype float32 or float64, got %s",
-                                     s->name, got);
+                                     s->name, GOT);
                     else
                         PyErr_Format(PyExc_TypeError,
                                      "%s: expected dtype float32 (states are float32; float64 only "
                                      "with float64 inputs), got %s",
-                                     s->name, got);
+                                     s->name, GOT);
                     return -1;
                 }
                 c->state_dtype = d;
@@ -202,7 +205,7 @@ static int fq_stage_dtype(fq_call *c)
                 state_first = s->name;
             } else if (!fq_float_dtype(t, &d) || d != c->state_dtype) {
                 PyErr_Format(PyExc_TypeError, "%s: expected dtype %s like %s, got %s", s->name,
-                             fq_dtype_name(c->state_dtype), state_first, got);
+                             fq_dtype_name(c->state_dtype), state_first, GOT);
                 return -1;
             }
             break;
@@ -211,7 +214,7 @@ static int fq_stage_dtype(fq_call *c)
         case FQ_ACC: {
             int is64 = 0;
             if (!fq_is_int_dtype(t, &is64)) {
-                PyErr_Format(PyExc_TypeError, "%s: expected dtype int32 or int64, got %s", s->name, got);
+                PyErr_Format(PyExc_TypeError, "%s: expected dtype int32 or int64, got %s", s->name, GOT);
                 return -1;
             }
             if (s->kind == FQ_SEQ) c->seq_int64 = is64;
@@ -221,7 +224,7 @@ static int fq_stage_dtype(fq_call *c)
         }
         case FQ_WS:
             if (t.code != kDLUInt || t.bits != 8 || t.lanes != 1) {
-                PyErr_Format(PyExc_TypeError, "%s: expected dtype uint8, got %s", s->name, got);
+                PyErr_Format(PyExc_TypeError, "%s: expected dtype uint8, got %s", s->name, GOT);
                 return -1;
             }
             break;
@@ -229,6 +232,7 @@ static int fq_stage_dtype(fq_call *c)
     }
     return 0;
 }
+#undef GOT
 
 /* The tensor is well formed: rank, dims >= 0, element and byte counts fit
  * in int64. Sets a->numel. */
@@ -272,6 +276,9 @@ static int fq_shape_is(const DLTensor *t, int ndim, const int64_t *dims)
     return 1;
 }
 
+/* The shape of the slot's tensor t as text, formatted only for a message. */
+#define GOT fq_dims_str(t->ndim, t->shape, got, sizeof got)
+
 /* Stage 3: shapes. Slot order puts q, k, v, gates before cu_seqlens and
  * cu_seqlens/state_indices before the states, so every size used is known. */
 static int fq_stage_shape(fq_call *c)
@@ -285,13 +292,12 @@ static int fq_stage_shape(fq_call *c)
         if (!s->a.t) continue;
         if (fq_check_structure(s) < 0) return -1;
         const DLTensor *t = s->a.t;
-        fq_dims_str(t->ndim, t->shape, got, sizeof got);
         switch (s->kind) {
         case FQ_QK: {
             if (i == 0) {
                 if (t->ndim != 4) {
                     PyErr_Format(PyExc_ValueError, "%s: expected a 4-d array [B, T, H, K], got shape %s",
-                                 s->name, got);
+                                 s->name, GOT);
                     return -1;
                 }
                 c->B = t->shape[0];
@@ -302,7 +308,7 @@ static int fq_stage_shape(fq_call *c)
                 if (c->B < 1 || c->H < 1 || c->K < 1) {
                     PyErr_Format(PyExc_ValueError,
                                  "%s: expected B >= 1, H >= 1 and K >= 1 in [B, T, H, K], got shape %s",
-                                 s->name, got);
+                                 s->name, GOT);
                     return -1;
                 }
                 break;
@@ -310,7 +316,7 @@ static int fq_stage_shape(fq_call *c)
             int64_t dims[4] = {c->B, c->T, c->H, c->K};
             if (!fq_shape_is(t, 4, dims)) {
                 PyErr_Format(PyExc_ValueError, "%s: expected shape %s like %s, got %s", s->name,
-                             fq_dims_str(4, dims, want, sizeof want), c->slots[0].name, got);
+                             fq_dims_str(4, dims, want, sizeof want), c->slots[0].name, GOT);
                 return -1;
             }
             break;
@@ -320,14 +326,14 @@ static int fq_stage_shape(fq_call *c)
                 if (t->ndim != 4 || t->shape[0] != c->B || t->shape[1] != c->T) {
                     PyErr_Format(PyExc_ValueError,
                                  "%s: expected shape [B=%lld, T=%lld, HV, V] (B, T of %s), got %s",
-                                 s->name, (long long)c->B, (long long)c->T, c->slots[0].name, got);
+                                 s->name, (long long)c->B, (long long)c->T, c->slots[0].name, GOT);
                     return -1;
                 }
                 c->HV = t->shape[2];
                 c->V = t->shape[3];
                 if (c->HV < 1 || c->V < 1) {
                     PyErr_Format(PyExc_ValueError, "%s: expected HV >= 1 and V >= 1, got shape %s",
-                                 s->name, got);
+                                 s->name, GOT);
                     return -1;
                 }
                 if (c->HV % c->H != 0) {
@@ -342,7 +348,7 @@ static int fq_stage_shape(fq_call *c)
             int64_t dims[4] = {c->B, c->T, c->HV, c->V};
             if (!fq_shape_is(t, 4, dims)) {
                 PyErr_Format(PyExc_ValueError, "%s: expected shape %s like v, got %s", s->name,
-                             fq_dims_str(4, dims, want, sizeof want), got);
+                             fq_dims_str(4, dims, want, sizeof want), GOT);
                 return -1;
             }
             break;
@@ -351,7 +357,7 @@ static int fq_stage_shape(fq_call *c)
             int64_t dims[3] = {c->B, c->T, c->HV};
             if (!fq_shape_is(t, 3, dims)) {
                 PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([B, T, HV]), got %s", s->name,
-                             fq_dims_str(3, dims, want, sizeof want), got);
+                             fq_dims_str(3, dims, want, sizeof want), GOT);
                 return -1;
             }
             break;
@@ -359,7 +365,7 @@ static int fq_stage_shape(fq_call *c)
         case FQ_SEQ:
             if (t->ndim != 1 || t->shape[0] < 2) {
                 PyErr_Format(PyExc_ValueError,
-                             "%s: expected a 1-d array of N+1 >= 2 offsets, got shape %s", s->name, got);
+                             "%s: expected a 1-d array of N+1 >= 2 offsets, got shape %s", s->name, GOT);
                 return -1;
             }
             if (c->B != 1) {
@@ -376,7 +382,7 @@ static int fq_stage_shape(fq_call *c)
             if (!fq_shape_is(t, 1, dims)) {
                 PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([N], one %s per sequence), got %s",
                              s->name, fq_dims_str(1, dims, want, sizeof want),
-                             s->kind == FQ_IDX ? "slot" : "count", got);
+                             s->kind == FQ_IDX ? "slot" : "count", GOT);
                 return -1;
             }
             break;
@@ -385,7 +391,7 @@ static int fq_stage_shape(fq_call *c)
             int64_t dims[1] = {c->N + 1};
             if (!fq_shape_is(t, 1, dims)) {
                 PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([N + 1]), got %s", s->name,
-                             fq_dims_str(1, dims, want, sizeof want), got);
+                             fq_dims_str(1, dims, want, sizeof want), GOT);
                 return -1;
             }
             break;
@@ -394,7 +400,7 @@ static int fq_stage_shape(fq_call *c)
             int64_t dims[1] = {c->HV};
             if (!fq_shape_is(t, 1, dims)) {
                 PyErr_Format(PyExc_ValueError, "%s: expected shape %s ([HV], one per value head), got %s",
-                             s->name, fq_dims_str(1, dims, want, sizeof want), got);
+                             s->name, fq_dims_str(1, dims, want, sizeof want), GOT);
                 return -1;
             }
             break;
@@ -409,7 +415,7 @@ static int fq_stage_shape(fq_call *c)
                              s->kind == FQ_STATE ? (c->vk ? "[N, HV, V, K]" : "[N, HV, K, V]")
                                                  : (c->vk ? "[B * (T / checkpoint_every), HV, V, K]"
                                                           : "[B * (T / checkpoint_every), HV, K, V]"),
-                             got);
+                             GOT);
                 return -1;
             }
             break;
@@ -422,7 +428,7 @@ static int fq_stage_shape(fq_call *c)
                              "%s: expected shape [N, Ti, %lld, %lld, %lld] (%s, Ti >= 1), got %s", s->name,
                              (long long)c->HV, (long long)(c->vk ? c->V : c->K),
                              (long long)(c->vk ? c->K : c->V),
-                             c->vk ? "[N, Ti, HV, V, K]" : "[N, Ti, HV, K, V]", got);
+                             c->vk ? "[N, Ti, HV, V, K]" : "[N, Ti, HV, K, V]", GOT);
                 return -1;
             }
             if (c->B == 0) c->N = t->shape[0]; /* commit: N from here */
@@ -439,7 +445,7 @@ static int fq_stage_shape(fq_call *c)
                 PyErr_Format(PyExc_ValueError,
                              "%s: expected shape [P, %lld, %lld, %lld] (%s, P >= 1), got %s", s->name,
                              (long long)c->HV, (long long)(c->vk ? c->V : c->K), (long long)(c->vk ? c->K : c->V),
-                             c->vk ? "[P, HV, V, K]" : "[P, HV, K, V]", got);
+                             c->vk ? "[P, HV, V, K]" : "[P, HV, K, V]", GOT);
                 return -1;
             }
             c->P = t->shape[0];
@@ -447,7 +453,7 @@ static int fq_stage_shape(fq_call *c)
             if (!have_idx && c->P != c->N) {
                 PyErr_Format(PyExc_ValueError,
                              "%s: without state_indices the pool must have N=%lld slots, got shape %s",
-                             s->name, (long long)c->N, got);
+                             s->name, (long long)c->N, GOT);
                 return -1;
             }
             break;
@@ -457,6 +463,7 @@ static int fq_stage_shape(fq_call *c)
     }
     return 0;
 }
+#undef GOT
 
 /* Stages 4-7: device, contiguity, data pointer, read-only. */
 static int fq_stage_memory(fq_call *c)
