@@ -263,7 +263,9 @@ fq_status fq_cpu_commit(const fq_gdn_params *p);
  * fq_cuda_* entry point returns FQ_ERR_UNSUPPORTED). */
 int fq_cuda_built(void);
 /* Device scratch the caller must provide in p->workspace for each call.
- * Depends only on sizes (B, T, H, HV, K, V, N, dtype), never on data. */
+ * Depends only on sizes (B, T, H, HV, K, V, N, dtype), never on data. The
+ * recurrent step uses its scratch only with cu_seqlens (the flag of their
+ * validity): a call without cu_seqlens (decode, verify) may pass none. */
 size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p);
 size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p);
 size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p);

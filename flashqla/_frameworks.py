@@ -76,7 +76,7 @@ class Framework:
 
 
 def _workspace_size(op, sizes, dtype_name, options):
-    if sizes is None:  # an op without workspace (the commit)
+    if sizes is None:  # a call without workspace (the commit; the recurrent step without cu_seqlens)
         return 0
     B, T, H, HV, K, V, N = sizes
     return int(_C.workspace_bytes(op, B, T, H, HV, K, V, N, dtype_name, **options))
@@ -144,12 +144,31 @@ class TorchFramework(Framework):
         return self._torch().empty_like(x, memory_format=self._torch().contiguous_format)
 
     def launch(self, op, like, sizes, dtype_name, **options):
-        if like.device.type != "cuda":
+        if not like.is_cuda:
             return {}
         torch = self._torch()
         n = _workspace_size(op, sizes, dtype_name, options)
         ws = torch.empty(n, dtype=torch.uint8, device=like.device) if n > 0 else None
-        return {"stream": torch.cuda.current_stream(like.device).cuda_stream, "workspace": ws}
+        return {"stream": self.cuda_stream(like.get_device()), "workspace": ws}
+
+    _raw_stream = None  # torch's current-stream getter, looked up on the first CUDA call
+
+    def cuda_stream(self, device_index):
+        """torch's current CUDA stream on that device as the int flashqla._C
+        takes (a cudaStream_t): torch._C._cuda_getCurrentRawStream, which
+        torch.compile's generated code calls (a fraction of a microsecond),
+        where this PyTorch has it; else torch.cuda.current_stream(), which
+        builds a torch.cuda.Stream object per call (several microseconds)."""
+        get = self._raw_stream
+        if get is None:
+            torch = self._torch()
+            torch.cuda.init()  # what current_stream() would do first (a no-op once initialised)
+            get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if get is None:
+                def get(i):
+                    return torch.cuda.current_stream(i).cuda_stream
+            self._raw_stream = get
+        return get(device_index)
 
     def detach(self, x):
         return x.detach()

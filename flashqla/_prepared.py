@@ -331,7 +331,8 @@ def recurrent_prepared(fw, q, k, v, g, beta, state, idx, cu, scale, use_qk_l2nor
     B, T, H, HV, K, V, N = sizes = sizes_of(q, v, cu)
     dt = fw.dtype_name(q)
     o = fw.empty_like(v)                                       # [B, T, HV, V]
-    launch = fw.launch("recurrent", q, sizes, dt)
+    # the step's CUDA scratch is the cu_seqlens validity flag: none without cu_seqlens (gdn.h)
+    launch = fw.launch("recurrent", q, sizes if cu is not None else None, dt)
     fw.before_call((q, k, v, g, beta, state, idx, cu, intermediate_states, gates.A_log,
                     gates.dt_bias))
     x = fw.export

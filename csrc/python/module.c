@@ -68,9 +68,11 @@ static int fq_dispatch(char op, fq_gdn_params *p, const fq_call *c, const fq_slo
            : op == 'r' ? fq_cpu_recurrent(p) : fq_cpu_commit(p);
         Py_END_ALLOW_THREADS
     } else {
+        /* the recurrent step's scratch serves cu_seqlens only (gdn.h): the
+         * decode call goes without one, and without allocating one */
         size_t need = op == 'f'   ? fq_cuda_chunk_fwd_workspace_bytes(p)
                       : op == 'b' ? fq_cuda_chunk_bwd_workspace_bytes(p)
-                      : op == 'r' ? fq_cuda_recurrent_workspace_bytes(p) : 0;
+                      : op == 'r' && p->cu_seqlens ? fq_cuda_recurrent_workspace_bytes(p) : 0;
         if (ws && ws->a.t) {
             if ((uint64_t)ws->a.numel < (uint64_t)need) {
                 PyErr_Format(PyExc_ValueError,
@@ -296,7 +298,8 @@ PyDoc_STRVAR(fq_recurrent_doc,
 "Recurrent steps (decoding): updates the state pool [P,HV,K,V] in place and\n"
 "writes o. state_indices [N] picks each sequence's slot (< 0: padding).\n"
 "intermediate_states [N,Ti,HV,K,V] gets the state after each token;\n"
-"update_state=False leaves the pool untouched (speculative verify).");
+"update_state=False leaves the pool untouched (speculative verify). On CUDA\n"
+"a workspace (flashqla._C.workspace_bytes) only with cu_seqlens.");
 
 static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
 {
@@ -417,7 +420,8 @@ PyDoc_STRVAR(fq_workspace_bytes_doc,
 "Bytes of CUDA scratch the call needs in its `workspace` argument; op is\n"
 "\"fwd\", \"bwd\" or \"recurrent\", dtype \"float32\", \"float16\", \"bfloat16\"\n"
 "or \"float64\"; the gate flags as the call will pass them (fused gates take\n"
-"a region of their own). 0 when CUDA is not built.");
+"a region of their own). 0 when CUDA is not built. \"recurrent\": what a call\n"
+"with cu_seqlens needs; one without takes workspace=None.");
 
 static PyObject *fq_workspace_bytes(PyObject *self, PyObject *args, PyObject *kwds)
 {
