@@ -51,7 +51,7 @@ from . import _C
 from ._frameworks import TORCH, _numpy_index, scale_of
 from ._prepared import (NO_GATES, FusedGates, check_layout, chunk_bwd_prepared,
                         chunk_fwd_prepared, commit_prepared, prepare_gate_params,
-                        recurrent_prepared, sizes_of, state_dims)
+                        recurrent_prepared, state_dims)
 
 __all__ = ["chunk_fwd", "chunk_bwd", "recurrent", "chunk_fwd_serving", "commit", "gdn_chunk",
            "gdn_recurrent", "gdn_commit"]
@@ -435,9 +435,9 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
                   use_beta_sigmoid_in_kernel=False):
     """flashqla.gdn_recurrent for PyTorch tensors, through torch.ops.flashqla.recurrent
     (no gradients: the inputs are detached; the pool is updated in place)."""
-    if (cu_seqlens is None and intermediate_states is None and update_state is True and
-            state_layout == "kv" and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel):
-        o = _recurrent_hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm)
+    if cu_seqlens is None and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel:
+        o = recurrent_hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
+                          intermediate_states, update_state, state_layout)
         if o is not None:
             return o
     _check_ndim(q, "q", 4, "[B, T, H, K]")
@@ -492,13 +492,18 @@ def gdn_commit(state, intermediate_states, state_indices, num_accepted, *, state
         torch.ops.flashqla.commit(state, intermediate_states, idx, acc, state_layout)
 
 
-def _recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm):
-    """The decode hot path (one call per layer and token): when nothing needs
-    preparing (plain contiguous tensors that do not require grad, gates
-    already float32 or q's dtype, indices on q's device) and nothing traces
-    the call (see _plain_eager), the op's kernel is called with no Python
-    checks of its own: the binding checks every argument and its messages
-    name them. Returns None when the call is not of that kind."""
+def recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, inter=None,
+                  update_state=True, state_layout="kv"):
+    """The hot path of gdn_recurrent without cu_seqlens and fused gates: the
+    decode step (one call per layer and token) and the speculative verify
+    (intermediate_states, update_state=False), either state layout. When
+    nothing needs preparing (plain contiguous tensors that do not require
+    grad, gates already float32 or q's dtype, indices on q's device) and
+    nothing traces the call (see _plain_eager), the op's kernel is called
+    with no Python checks of its own: the binding checks every argument and
+    its messages name them. On CUDA: torch's current stream as a raw int and
+    no workspace (the step needs one only with cu_seqlens). Returns None when
+    the call is not of that kind (gdn_recurrent then takes the full path)."""
     if not _plain_eager():
         return None
     for x in (q, k, v, g, beta, state):
@@ -506,20 +511,30 @@ def _recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm):
             return None
     if g.dtype != beta.dtype or (g.dtype != torch.float32 and g.dtype != q.dtype):
         return None
+    dev = q.get_device()                                       # -1 on the CPU
     if idx is not None and (type(idx) is not Tensor or not idx.is_contiguous() or
-                            (idx.is_cuda or q.is_cuda) and idx.device != q.device):
+                            idx.get_device() != dev):
         return None
+    serving = not (inter is None and update_state is True and state_layout == "kv")
+    if serving:                                                # verify, the [V, K] layout
+        if not ((update_state is True or update_state is False) and
+                (state_layout == "kv" or state_layout == "vk")):
+            return None
+        if inter is not None and (type(inter) is not Tensor or inter.requires_grad or
+                                  not inter.is_contiguous()):
+            return None
     scale = scale_of(scale, q)
-    o = torch.empty_like(v)                                    # [B, T, HV, V]
-    launch = {}
-    if q.is_cuda:  # stream= and workspace=, as recurrent_prepared gives them
-        launch = TORCH.launch("recurrent", q, sizes_of(q, v, None), TORCH.dtype_name(q))
-        if launch.get("workspace") is not None:
-            launch["workspace"] = _to_dlpack(launch["workspace"])
     c = _to_dlpack
+    kw = {}                                                    # decode: the defaults
+    if serving:
+        kw = {"intermediate_states": None if inter is None else c(inter),
+              "update_state": update_state, "state_layout": state_layout}
+    if q.is_cuda:
+        kw["stream"] = TORCH.cuda_stream(dev)
+    o = torch.empty_like(v)                                    # [B, T, HV, V]
     _C.recurrent(c(q), c(k), c(v), c(g), c(beta), c(state), c(o), scale=scale,
                  state_indices=None if idx is None else c(idx),
-                 use_qk_l2norm=bool(use_qk_l2norm), **launch)
+                 use_qk_l2norm=bool(use_qk_l2norm), **kw)
     return o
 
 
@@ -528,8 +543,16 @@ def _plain_eager(*tensors):
     eager mode (no torch.compile tracing), no torch.func transform, no
     dispatch or function mode (make_fx, FakeTensorMode, a TorchFunctionMode,
     ...) and plain torch.Tensor arguments (no subclass: FakeTensor, DTensor)."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack()):
+    if (_is_compiling() or _functorch_active() or _len_dispatch_modes() or
+            _len_function_modes()):
         return False
     return all(x is None or type(x) is Tensor for x in tensors)
+
+
+# looked up once (the decode step calls _plain_eager per layer and token); the
+# same function objects, so torch.compile still sees torch.compiler.is_compiling
+_is_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_len_dispatch_modes = torch._C._len_torch_dispatch_stack
+_len_function_modes = torch._C._len_torch_function_stack
 

@@ -223,6 +223,62 @@ def test_recurrent_fast_path_equals_the_op():
     assert_close("pool", pool_fast, pool_ref, tolerance("bfloat16", "ht"))
 
 
+def _no_full_path(*args, **kwargs):
+    raise AssertionError("the fast path was expected, not recurrent_prepared")
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("update", [True, False])
+def test_recurrent_fast_path_verify_and_layouts_equal_the_op(monkeypatch, layout, update):
+    """intermediate_states, update_state=False and state_layout="vk" take the
+    fast path too (K != V, so the layout decides the pool's shape) and give
+    the op's bits; update_state=False leaves the pool as it was."""
+    N, T, HV, K, V = 3, 4, 4, 32, 16
+    inp = make_inputs(N, T, 2, HV, K, V, seed=15, h0=False)
+    t = cast_inputs_torch(inp, "float32")
+    sd = (K, V) if layout == "kv" else (V, K)
+    pool = torch.randn((5, HV) + sd)
+    inter = torch.full((N, T, HV) + sd, float("nan"))
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    out = []
+    for fast in (True, False):
+        p, i = pool.clone(), inter.clone()
+        kw = dict(state_indices=idx, intermediate_states=i, update_state=update, state_layout=layout)
+        if fast:
+            with monkeypatch.context() as m:
+                m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
+                o = flashqla.gdn_recurrent(*args, p, **kw)
+        else:
+            with _Recorder():
+                o = flashqla.gdn_recurrent(*args, p, **kw)
+        out.append((o, p, i))
+    (o1, p1, i1), (o2, p2, i2) = out
+    assert torch.equal(o1, o2) and torch.equal(p1, p2)
+    torch.testing.assert_close(i1, i2, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(i1[1]).all()  # the padding sequence's rows are left as they were
+    if not update:
+        assert torch.equal(p1, pool)
+    pool_kv = pool if layout == "kv" else pool.transpose(-1, -2)
+    o_ref, _ = reference.recurrent(*(to_f64(x) for x in args), pool_kv.numpy(),
+                                   state_indices=idx.numpy())
+    assert_close("o", o1, o_ref, TOL32)
+
+
+def test_recurrent_fast_path_rejected_verify_leaves_the_buffers():
+    """A verify call the binding rejects (intermediate_states of the wrong
+    layout) raises ValueError naming it and writes nothing."""
+    inp = make_inputs(2, 2, 1, 2, 32, 16, seed=16, h0=False)
+    t = cast_inputs_torch(inp, "float32")
+    pool = torch.randn(2, 2, 32, 16)
+    inter = torch.full((2, 2, 2, 16, 32), 7.0)         # [.., V, K] with the "kv" pool
+    pool0, inter0 = pool.clone(), inter.clone()
+    with pytest.raises(ValueError, match=r"^intermediate_states: expected shape"):
+        flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool,
+                               intermediate_states=inter, update_state=False)
+    assert torch.equal(pool, pool0) and torch.equal(inter, inter0)
+
+
 def test_recurrent_inputs_that_require_grad_give_a_plain_output():
     inp = make_inputs(2, 1, 1, 2, 16, 16, seed=12, h0=False)
     t = cast_inputs_torch(inp, "float32")
@@ -349,6 +405,47 @@ def test_cuda_graph_capture_of_the_torch_ops():
                                               state_indices=[3, 0, -1])
         assert_close(f"o (op={use_op})", o, o_ref, tolerance("bfloat16", "o"))
         assert_close(f"pool (op={use_op})", pool, pool_ref, tolerance("bfloat16", "ht"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True])
+def test_cuda_recurrent_fast_path_launches_on_the_current_stream(monkeypatch, verify):
+    """The eager fast path on CUDA (torch's current stream as a raw int, no
+    workspace), decode and verify, on a side stream kept busy: its kernel
+    waits for the pool copy queued before it there (on any other stream it
+    would read the NaN pool), and its bits equal the op's."""
+    N, T, HV = 4, (4 if verify else 1), 4
+    dec = make_inputs(N, T, 2, HV, 128, 128, seed=19, h0=False)
+    d = _cuda(cast_inputs_torch(dec, "bfloat16"))
+    args = [d[n] for n in ("q", "k", "v", "g", "beta")]
+    start = torch.randn(5, HV, 128, 128, device="cuda")
+    idx = torch.tensor([4, -1, 0, 2], device="cuda", dtype=torch.int32)
+
+    def inter():
+        return torch.zeros((N, T, HV, 128, 128), device="cuda") if verify else None
+
+    pool, inter_fast = torch.full_like(start, float("nan")), inter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with monkeypatch.context() as m:
+        m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)                 # tens of ms queued first
+            pool.copy_(start)
+            o_fast = flashqla.gdn_recurrent(*args, pool, state_indices=idx,
+                                            intermediate_states=inter_fast, update_state=not verify)
+    torch.cuda.synchronize()
+    pool_op, inter_op = start.clone(), inter()
+    with _Recorder():
+        o_op = flashqla.gdn_recurrent(*args, pool_op, state_indices=idx,
+                                      intermediate_states=inter_op, update_state=not verify)
+    torch.cuda.synchronize()
+    assert torch.equal(o_fast, o_op) and torch.equal(pool, pool_op)
+    if verify:
+        assert torch.equal(inter_fast, inter_op) and torch.equal(pool, start)
+    o_ref, _ = reference.recurrent(*(to_f64(x) for x in args), start.cpu().numpy(),
+                                   state_indices=[4, -1, 0, 2])
+    assert_close("o", o_fast, o_ref, tolerance("bfloat16", "o"))
 
 
 # ---------------------------------------------------------- torch.func.vmap ----
