@@ -546,7 +546,10 @@ def _plain_eager(*tensors):
     if (_is_compiling() or _functorch_active() or _len_dispatch_modes() or
             _len_function_modes()):
         return False
-    return all(x is None or type(x) is Tensor for x in tensors)
+    for x in tensors:  # (a loop: no generator object made per decode step)
+        if x is not None and type(x) is not Tensor:
+            return False
+    return True
 
 
 # looked up once (the decode step calls _plain_eager per layer and token); the
