@@ -138,15 +138,20 @@ def chunk_case(C, K, H, HV, seqlens, varlen, l2norm_inside, stream, dev):
         failures.append("bwd " + what)
 
 
-def recurrent_case(C, K, H, HV, T, stream, dev):
-    """Pool of P = 4 slots, 3 sequences with slots [2, -1 (padding), 0], T tokens each."""
-    gen = torch.Generator().manual_seed(7 + K + T)
-    N, P = 3, 4
+def recurrent_case(C, K, H, HV, T, stream, dev, N=3):
+    """N = 3: a pool of P = 4 slots, 3 sequences with slots [2, -1 (padding), 0], T tokens
+    each. Larger N (more items than resident warps, so that each warp of the persistent
+    kernel reuses its stages): slots N-1 .. 0 in reverse, every 5th sequence padding,
+    P = N + 1 (slot N and the padded sequences' slots unused)."""
+    gen = torch.Generator().manual_seed(7 + K + T + N)
+    if N == 3:
+        P, idx = 4, [2, -1, 0]
+    else:
+        P, idx = N + 1, [-1 if n % 5 == 1 else N - 1 - n for n in range(N)]
     x = cpu_inputs(gen, N, T, H, HV, K, N, False)
     pool = torch.randn(P, HV, K, K, generator=gen)
-    idx = [2, -1, 0]
     scale = K ** -0.5
-    what = "recurrent K=%d H=%d HV=%d T=%d slots %s" % (K, H, HV, T, idx)
+    what = "recurrent K=%d H=%d HV=%d T=%d N=%d" % (K, H, HV, T, N)
     try:
         o = nan_like(x["v"], dev)
         pool_dev = pool.clone().to(dev)
@@ -161,8 +166,9 @@ def recurrent_case(C, K, H, HV, T, stream, dev):
         o_ref, want_pool = torch.from_numpy(o_ref), torch.from_numpy(want_pool)
         errs["o"] = rel(o, o_ref)
         errs["ht"] = rel(pool_out, want_pool)
-        untouched = bool(torch.equal(pool_out[1], pool[1]) and torch.equal(pool_out[3], pool[3]))
-        pad_zero = bool((o[1] == 0).all())
+        unused = [s for s in range(P) if s not in idx]
+        untouched = bool(torch.equal(pool_out[unused], pool[unused]))
+        pad_zero = bool(all((o[n] == 0).all() for n in range(N) if idx[n] < 0))
         report(what, errs, TOL)
         print("sanitize_small: %-44s unused slots untouched %s, padding rows zero %s" % (
             what, untouched, pad_zero), flush=True)
@@ -178,7 +184,10 @@ def run(C, dev, stream, quick):
         chunk_case(C, K, 1, 2, [130], False, False, stream, dev)             # GVA, one sequence
         chunk_case(C, K, 2, 2, [1, 65, 64], True, not quick, stream, dev)   # varlen, length-1 seq
         recurrent_case(C, K, 1, 2, 1, stream, dev)                          # decode: one token
-        recurrent_case(C, K, 1, 2, 2 if quick else 10, stream, dev)         # staged tokens (ring of 8)
+        recurrent_case(C, K, 1, 2, 2 if quick else 10, stream, dev)         # tokens past the first group of 4
+    # more (sequence, head, 8-column) items than resident warps: each warp takes several
+    recurrent_case(C, 128, 4, 32, 1, stream, dev, N=24)
+    recurrent_case(C, 128, 4, 32, 5, stream, dev, N=24)
 
 
 def main(argv=None):

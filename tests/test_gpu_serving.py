@@ -269,6 +269,41 @@ def test_cuda_recurrent_matches_reference(N, T, Kk, Vv, layout):
         assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_cuda_recurrent_many_items_per_warp(layout, T):
+    """Enough (sequence, value head, 8-column) items that every resident warp
+    of the persistent kernel takes several, each prefetched while the one
+    before is computed: 80 sequences x 32 value heads x 16 column blocks, a
+    shuffled pool with repeated padding (-1), the verify path at T = 4."""
+    N, Hh, HVv = 80, 16, 32
+    inp, (q, k, v) = _rec_inputs(N, T, Hh, HVv, K, V, seed=500 + T, dtype=torch.bfloat16)
+    g, beta = _t(inp["g"]), _t(inp["beta"])
+    P = N + 7
+    pool_kv = torch.randn(P, HVv, K, V, device=DEV) * 0.5
+    pool = pool_kv.clone() if layout == "kv" else _vk(pool_kv)
+    perm = torch.randperm(P, generator=torch.Generator().manual_seed(T))[:N].to(torch.int32)
+    perm[::9] = -1
+    f = [to_f64(x) for x in (q, k, v, g, beta)]
+    ro, rpool = R.recurrent(*f, to_f64(pool_kv), state_indices=perm.numpy())
+    before = pool.clone()
+    sd = (K, V) if layout == "kv" else (V, K)
+    buf = torch.full((N, T, HVv) + sd, float("nan"), device=DEV) if T > 1 else None
+    kw = dict(intermediate_states=buf) if T > 1 else {}
+    o = flashqla.gdn_recurrent(q, k, v, g, beta, pool, state_indices=perm.to(DEV), state_layout=layout, **kw)
+    assert_close("o", o, ro, TOL_BF16_OUT)
+    got = pool if layout == "kv" else _vk(pool)
+    assert_close("pool", got, rpool, TOL_BF16_OUT)
+    pad = (perm < 0).nonzero().flatten().tolist()
+    assert torch.count_nonzero(o[pad]) == 0, "padding sequences get o = 0"
+    untouched = sorted(set(range(P)) - set(perm.tolist()))
+    assert torch.equal(pool[untouched], before[untouched])
+    if T > 1:
+        live = [n for n in range(N) if perm[n] >= 0]
+        assert torch.equal(buf[live, T - 1], pool[perm[live].long()]), "the last state is the pool's"
+        assert torch.isnan(buf[pad]).all()
+
+
 def test_cuda_recurrent_fused_gates_l2norm_varlen():
     seqlens = [3, 0, 1, 6]
     inp = make_inputs(1, 10, H, HV, K, V, seed=8, seqlens=seqlens, normalize_qk=False)

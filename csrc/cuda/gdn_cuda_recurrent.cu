@@ -7,10 +7,9 @@
  *     o_t     = scale S_t^T q_t = scale (alpha_t S^T q_t + u_t (k_t . q_t))
  *     S      <- alpha_t S + k_t u_t^T
  *
- * One warp per (sequence n, value head j, 8 state columns); no shared
- * memory and no block barrier. Lane l holds the K/16 state rows
- * r0 = (l & 15) * K/16 .. of the 4 columns c0 = 8 w + 4 (l >> 4) ..
- * (fp32 registers, read from the pool once, written back once). Per token:
+ * One warp per item (sequence n, value head j, 8 state columns); no block
+ * barrier. Lane l holds K/16 state rows of 4 columns in fp32 registers
+ * (fq_rec_f4_offset says which), read once and written back once. Per token:
  *
  *     partial sums over the lane's rows of S^T k, S^T q (4 columns each) and
  *     of k.q, |k|^2, |q|^2 (for use_qk_l2norm: q = rq q_raw, k = rk k_raw)
@@ -18,14 +17,18 @@
  *     lane has the totals, computes u and o for its 4 columns and updates
  *     its rows; lanes 0 and 16 store o.
  *
- * The serial chain of a T = 1 step is: launch -> (slot, cu_seqlens and all
- * token inputs in flight together) -> the state tile (a dependent load of the
- * slot) -> 11 x RK FMAs, 4 shuffle rounds -> stores. Token inputs are loaded
- * through the read-only path (ld.global.nc) in groups of NPF tokens
- * (1 for T = 1, else 4), a group's loads all in flight at once; the first
- * group is issued before the state tile. Warps per block: 4, fewer when
- * that would leave SMs without two blocks (N = 1, HV = 32: 512 warps as 512
- * blocks of one warp, all resident at once).
+ * Persistent warps: the grid is what is resident at once and warp w takes
+ * items w, w + W, w + 2W, ... While it computes one item, the next item's
+ * state tile and first NPF tokens (q, k rows, v columns: 1 token for T = 1,
+ * else 4) are on their way into the warp's other shared-memory stage
+ * (cp.async), its gates into registers, and the index loads (cu_seqlens,
+ * state_indices) of the item after that are in flight: a warp never waits
+ * for a load it has just issued, and every warp keeps a state tile in
+ * flight (decode is bound by the bytes in flight per SM). Blocks of 4 warps,
+ * fewer when that would leave SMs without two blocks (N = 1, HV = 32: 512
+ * one-warp blocks). Launched with programmatic dependent launch: the blocks
+ * of a decode step are resident while the step before finishes, and wait
+ * for it (griddepcontrol.wait) before their first load.
  *
  * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
  * rows of the sequence written as 0, the pool untouched; a slot an earlier
@@ -39,9 +42,9 @@
  * workspace flag; when invalid, every o element is NaN and nothing else is
  * written.
  *
- * The previous kernel (one block of 128 threads per 32 columns, a
- * shared-memory reduction and a cp.async ring of token inputs) is in git
- * history (commit ea9c650) and benchmarks/NOTES.md.
+ * The kernels before it (one block of 128 threads per 32 columns with a
+ * shared-memory reduction, commit ea9c650; one warp per item without
+ * prefetch, commit d791258) are in git history and benchmarks/NOTES.md.
  */
 #include "gdn_cuda_common.cuh"
 
@@ -81,157 +84,238 @@ static __device__ __forceinline__ float fq_ldg_f(const void *p, fq_dtype dt, int
     }
 }
 
-/* BYTES (8, 16 or 32) raw bytes at p (BYTES-aligned... at least 8) via ld.global.nc. */
-template <int BYTES>
-static __device__ __forceinline__ void fq_ldg_raw(uint32_t *w, const void *p)
+/* ------------------------------------------------------------ staging ----
+ *
+ * Each warp owns two stages in shared memory. A stage holds one item's state
+ * tile (K rows x 8 columns, fp32) and the raw q row, k row and v columns of
+ * its first NPF tokens, copied there by cp.async while the warp computes the
+ * item before it. The state part is lane-own (lane l's float4 number f at
+ * float4 index f * 32 + l: no bank conflicts, no cross-lane wait); the token
+ * part is shared by the warp ([q: K | k: K | v: 8] elements per token). */
+template <int K, int NPF, int ES> struct fq_rec_stage {
+    static constexpr int RK = K / 16;             /* float4 of state per lane */
+    static constexpr int state_bytes = RK * 32 * 16;
+    static constexpr int qk_bytes = K * ES;       /* one q (or k) row */
+    static constexpr int tok_bytes = 2 * qk_bytes + 8 * ES;
+    static constexpr int bytes = state_bytes + NPF * tok_bytes; /* a multiple of 16 */
+};
+
+/* The lane's state entries. Lane l = 16 cg + rg holds columns c0 .. c0 + 3
+ * (c0 = 8 vw + 4 cg) of the rows
+ *     row(i) = 64 (i / 4) + 4 rg + (i % 4),   i = 0 .. RK - 1,
+ * as S[i][e] (e: the column). Its RK float4 in memory: [K, V] (kv) float4 f is
+ * row(f), columns c0 .. c0 + 3; [V, K] (vk) float4 f is column c0 + f / (K/64),
+ * rows 64 (f % (K/64)) + 4 rg .. + 3. Either way a warp's load of one float4
+ * number covers whole 32-byte sectors (kv: 16 rows x 32 bytes; vk: 2 columns x
+ * 256 contiguous bytes). */
+template <int K, int VK>
+static __device__ __forceinline__ int fq_rec_f4_offset(int f, int V)
 {
-    if constexpr (BYTES == 8) {
-        const uint2 x = __ldg((const uint2 *)p);
-        w[0] = x.x; w[1] = x.y;
+    /* relative to the lane's first float4: kv 4 rg * V + c0, vk c0 * K + 4 rg */
+    if (!VK) return (64 * (f / 4) + (f % 4)) * V;
+    constexpr int KH = K / 64;
+    return (f / KH) * K + 64 * (f % KH);
+}
+
+/* The lane's first float4 in a state [K, V] or [V, K] at base. */
+template <int K, int VK>
+static __device__ __forceinline__ int fq_rec_lane_offset(int rg, int c0, int V)
+{
+    return VK ? c0 * K + 4 * rg : 4 * rg * V + c0;
+}
+
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_f4_to_S(float S[K / 16][4], int f, float4 x)
+{
+    if (!VK) {
+        S[f][0] = x.x; S[f][1] = x.y; S[f][2] = x.z; S[f][3] = x.w;
     } else {
-        static_assert(BYTES == 16 || BYTES == 32, "8, 16 or 32 bytes");
-#pragma unroll
-        for (int h = 0; h < BYTES / 16; h++) {
-            const uint4 x = __ldg((const uint4 *)p + h);
-            w[4 * h] = x.x; w[4 * h + 1] = x.y; w[4 * h + 2] = x.z; w[4 * h + 3] = x.w;
-        }
+        constexpr int KH = K / 64;
+        const int e = f / KH, i = 4 * (f % KH);
+        S[i][e] = x.x; S[i + 1][e] = x.y; S[i + 2][e] = x.z; S[i + 3][e] = x.w;
     }
 }
 
-/* NE elements of ES bytes (4: float32; 2: bfloat16 or float16 per dt) -> float */
-template <int NE, int ES>
-static __device__ __forceinline__ void fq_raw_to_f(const uint32_t *w, fq_dtype dt, float *out)
+template <int K, int VK>
+static __device__ __forceinline__ float4 fq_rec_S_to_f4(const float S[K / 16][4], int f)
 {
+    if (!VK) return make_float4(S[f][0], S[f][1], S[f][2], S[f][3]);
+    constexpr int KH = K / 64;
+    const int e = f / KH, i = 4 * (f % KH);
+    return make_float4(S[i][e], S[i + 1][e], S[i + 2][e], S[i + 3][e]);
+}
+
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_store(const float S[K / 16][4], float *base, int rg, int c0, int V)
+{
+    base += fq_rec_lane_offset<K, VK>(rg, c0, V);
 #pragma unroll
-    for (int h = 0; h < NE; h++) {
-        if constexpr (ES == 4) {
-            out[h] = __uint_as_float(w[h]);
-        } else {
+    for (int f = 0; f < K / 16; f++) *(float4 *)(base + fq_rec_f4_offset<K, VK>(f, V)) = fq_rec_S_to_f4<K, VK>(S, f);
+}
+
+/* cp.async of the tile at base into the lane's part of a stage. */
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_copy(unsigned char *stage, const float *base, int lane, int rg,
+                                                        int c0, int V)
+{
+    base += fq_rec_lane_offset<K, VK>(rg, c0, V);
+#pragma unroll
+    for (int f = 0; f < K / 16; f++) fq_cp_async16(stage + (f * 32 + lane) * 16, base + fq_rec_f4_offset<K, VK>(f, V), 16);
+}
+
+/* cp.async of tokens row0 .. row0 + n - 1 (n <= NPF) into the token part of a
+ * stage, the warp's lanes sharing the 16-byte pieces. */
+template <int K, int NPF, int ES>
+static __device__ __forceinline__ void fq_rec_tok_copy(unsigned char *stage, const fq_rec_args &a, int64_t row0,
+                                                       int n, int hq, int j, int vw, int lane)
+{
+    typedef fq_rec_stage<K, NPF, ES> SG;
+    constexpr int QC = SG::qk_bytes / 16, TC = SG::tok_bytes / 16;
+    for (int c = lane; c < n * TC; c += 32) {
+        const int t = c / TC, w = c % TC;
+        const int64_t row = row0 + t;
+        const unsigned char *src;
+        if (w < QC) src = (const unsigned char *)a.q + (row * a.H + hq) * (int64_t)SG::qk_bytes + 16 * w;
+        else if (w < 2 * QC) src = (const unsigned char *)a.k + (row * a.H + hq) * (int64_t)SG::qk_bytes + 16 * (w - QC);
+        else src = (const unsigned char *)a.v + ((row * a.HV + j) * a.V + 8 * vw) * (int64_t)ES + 16 * (w - 2 * QC);
+        fq_cp_async16(stage + SG::state_bytes + t * SG::tok_bytes + 16 * w, src, 16);
+    }
+}
+
+/* 4 elements of ES bytes at a stage address -> float */
+template <int ES>
+static __device__ __forceinline__ void fq_rec_ld4(const unsigned char *s, fq_dtype dt, float out[4])
+{
+    if constexpr (ES == 4) {
+        const float4 x = *(const float4 *)s;
+        out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
+    } else {
+        const uint2 x = *(const uint2 *)s;
+        const uint32_t w[2] = {x.x, x.y};
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
             const unsigned short b = (unsigned short)(w[h >> 1] >> (16 * (h & 1)));
             out[h] = dt == FQ_BF16 ? __uint_as_float((uint32_t)b << 16) : __half2float(__ushort_as_half(b));
         }
     }
 }
 
-/* One token's inputs for a lane, raw: q, k of its RK rows, v of its 4
- * columns, and the gates the operator uses (fused gates applied). */
-template <int RK, int ES> struct fq_rec_tok {
-    uint32_t q[RK * ES / 4], k[RK * ES / 4], v[ES];
-    float g, b;
+/* An item: (sequence n, value head j, 8-column block vw); items < 2^31
+ * (checked on the host). Its index loads (cu_seqlens, state_indices) are
+ * issued two items ahead and resolved one item ahead, so that no load is
+ * waited for where it is issued. */
+struct fq_rec_item {
+    int it;
+    int64_t c0raw, c1raw, slotraw;
 };
 
-template <int RK, int ES>
-static __device__ __forceinline__ void fq_rec_load_tok(fq_rec_tok<RK, ES> &x, const fq_rec_args &a, int64_t row,
-                                                       int hq, int j, int r0, int c0, float Aexp, float dtb)
+static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq_rec_args &a, int it, int items, int nvw)
 {
-    const unsigned char *q = (const unsigned char *)a.q, *k = (const unsigned char *)a.k;
-    const unsigned char *v = (const unsigned char *)a.v;
-    const int64_t qo = (row * a.H + hq) * (int64_t)(16 * RK) + r0; /* K = 16 RK */
-    fq_ldg_raw<RK * ES>(x.q, q + qo * ES);
-    fq_ldg_raw<RK * ES>(x.k, k + qo * ES);
-    fq_ldg_raw<4 * ES>(x.v, v + ((row * a.HV + j) * a.V + c0) * ES);
-    const int64_t gi = row * a.HV + j;
-    const float graw = fq_ldg_f(a.g, a.gate_dtype, gi), braw = fq_ldg_f(a.beta, a.gate_dtype, gi);
-    /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
-    if (a.A_log) {
-        const float xg = graw + dtb;
-        x.g = -Aexp * (xg > 20.f ? xg : log1pf(__expf(xg)));
-    } else {
-        x.g = graw;
+    d.it = it;
+    d.c0raw = d.c1raw = d.slotraw = 0;
+    if (it >= items) return;
+    const int n = it / (nvw * a.HV);
+    if (a.cu) {
+        d.c0raw = fq_rec_index(a.cu, a.cu_is64, n);
+        d.c1raw = fq_rec_index(a.cu, a.cu_is64, n + 1);
     }
-    x.b = a.beta_sigmoid ? 1.f / (1.f + __expf(-braw)) : braw;
+    d.slotraw = a.idx ? fq_rec_index(a.idx, a.idx_is64, n) : n;
 }
 
-/* The lane's RK x 4 tile at base (a state [K][V], or [V][K] with vk): kv as
- * RK float4 (one per row), vk as 4 x RK/4 float4 (RK rows of a column). */
-template <int RK>
-static __device__ __forceinline__ void fq_rec_tile_load(float S[RK][4], const float *base, int r0, int c0, int K,
-                                                        int V, int vk)
+/* Resolved: bounds clamped to [0, T] (invalid offsets never read out of
+ * bounds), the slot (valid only with has_state: 0 <= slot < P, P < 2^31),
+ * and whether the state tile is read at all. */
+struct fq_rec_where {
+    int64_t bos;
+    int n, len, slot, j, vw, hq, has_state;
+};
+
+static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item &d, const fq_rec_args &a, int nvw)
 {
-    if (!vk) {
-#pragma unroll
-        for (int i = 0; i < RK; i++) {
-            const float4 x = *(const float4 *)(base + (int64_t)(r0 + i) * V + c0);
-            S[i][0] = x.x; S[i][1] = x.y; S[i][2] = x.z; S[i][3] = x.w;
-        }
+    fq_rec_where w;
+    w.n = d.it / (nvw * a.HV);
+    w.j = (d.it / nvw) % a.HV;
+    w.vw = d.it % nvw;
+    w.hq = w.j / (a.HV / a.H);
+    int64_t len;
+    if (a.cu) {
+        int64_t b0 = d.c0raw, b1 = d.c1raw;
+        b0 = b0 < 0 ? 0 : (b0 > a.T ? a.T : b0);
+        b1 = b1 < b0 ? b0 : (b1 > a.T ? a.T : b1);
+        w.bos = b0;
+        len = b1 - b0;
     } else {
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-#pragma unroll
-            for (int i = 0; i < RK; i += 4) {
-                const float4 x = *(const float4 *)(base + (int64_t)(c0 + e) * K + r0 + i);
-                S[i][e] = x.x; S[i + 1][e] = x.y; S[i + 2][e] = x.z; S[i + 3][e] = x.w;
-            }
+        w.bos = (int64_t)w.n * a.T;
+        len = a.T;
     }
+    w.len = (int)len; /* T < 2^31 (checked on the host) */
+    w.has_state = d.slotraw >= 0 && d.slotraw < a.P && len > 0;
+    w.slot = w.has_state ? (int)d.slotraw : 0;
+    return w;
 }
 
-template <int RK>
-static __device__ __forceinline__ void fq_rec_tile_store(const float S[RK][4], float *base, int r0, int c0, int K,
-                                                         int V, int vk)
+/* The raw gates of an item's first NPF tokens (and its fused-gate
+ * parameters), loaded one item ahead through the read-only path. */
+template <int NPF> struct fq_rec_gates {
+    float g[NPF], b[NPF], Aexp, dtb;
+};
+
+template <int NPF>
+static __device__ __forceinline__ void fq_rec_gates_load(fq_rec_gates<NPF> &x, const fq_rec_args &a, const fq_rec_where &w,
+                                                         int t0)
 {
-    if (!vk) {
 #pragma unroll
-        for (int i = 0; i < RK; i++)
-            *(float4 *)(base + (int64_t)(r0 + i) * V + c0) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
-    } else {
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-#pragma unroll
-            for (int i = 0; i < RK; i += 4)
-                *(float4 *)(base + (int64_t)(c0 + e) * K + r0 + i) =
-                    make_float4(S[i][e], S[i + 1][e], S[i + 2][e], S[i + 3][e]);
+    for (int i = 0; i < NPF; i++) {
+        const int64_t gi = (w.bos + t0 + i) * a.HV + w.j;
+        const int ok = t0 + i < w.len;
+        x.g[i] = ok ? fq_ldg_f(a.g, a.gate_dtype, gi) : 0.f;
+        x.b[i] = ok ? fq_ldg_f(a.beta, a.gate_dtype, gi) : 0.f;
     }
+    x.Aexp = a.A_log ? __ldg(a.A_log + w.j) : 0.f;
+    x.dtb = a.dt_bias ? __ldg(a.dt_bias + w.j) : 0.f;
+}
+
+/* A slot an earlier sequence names too belongs to that one (issue 9): scan
+ * state_indices[0 .. n) (loads in flight together, no early exit). */
+static __device__ __forceinline__ int fq_rec_is_dup(const fq_rec_args &a, const fq_rec_where &w, int lane)
+{
+    if (!a.idx || !w.has_state) return 0;
+    int dup = 0;
+#pragma unroll 4
+    for (int m = lane; m < w.n; m += 32) dup |= fq_rec_index(a.idx, a.idx_is64, m) == (int64_t)w.slot;
+    return __any_sync(0xffffffffu, dup);
 }
 
 #define FQ_REC_RED 11 /* S^T k (4), S^T q (4), k.q, |k|^2, |q|^2 */
 
-/* Resident blocks of 4 warps per SM asked of the compiler: the state in
- * flight is what bounds decode (4 KB per warp). T = 1: 5 (96 registers, 8-16
- * bytes of spill at K = 128; unbounded 118-128: 4); groups of 4 tokens at
- * K = 128 left to the compiler (156-168 registers; bounded to 128 they
- * spill 52-416 bytes), at K = 64 4 (117-128, no spill; unbounded 212). */
+/* Resident blocks of 4 warps per SM asked of the compiler (the state in
+ * flight is what bounds decode: 4 KB per warp, prefetched one item ahead).
+ * T = 1: 5 (96 registers, no spill; 37 KB of stages per block at bf16);
+ * groups of 4 tokens: 4 (128 registers, 24-32 bytes of spill at K = 128,
+ * 165-172 unbounded; 50 KB of stages at bf16, 67 KB at fp32: 3 blocks). */
 template <int K, int NPF> struct fq_rec_minb {
-    static constexpr int value = NPF == 1 ? 5 : (K == 64 ? 4 : 1);
+    static constexpr int value = NPF == 1 ? 5 : 4;
 };
 
-template <int K, int NPF, int ES>
+template <int K, int NPF, int ES, int VK>
 __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurrent_kernel(fq_rec_args a)
 {
-    constexpr int RK = K / 16; /* state rows per lane */
-    const int lane = threadIdx.x & 31;
-    const int64_t wid = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    typedef fq_rec_stage<K, NPF, ES> SG;
+    constexpr int RK = K / 16;
+    extern __shared__ __align__(16) unsigned char fq_rec_smem[];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int W = gridDim.x * (blockDim.x >> 5);
+    const int w0 = blockIdx.x * (blockDim.x >> 5) + wib;
+    unsigned char *const stg0 = fq_rec_smem + 2 * wib * SG::bytes; /* stage b at stg0 + b * SG::bytes */
     const int HV = a.HV, V = a.V, nvw = V / 8;
-    if (wid >= a.N * HV * nvw) return;
-    const int vw = (int)(wid % nvw), j = (int)((wid / nvw) % HV);
-    const int64_t n = wid / ((int64_t)nvw * HV);
-    const int hq = j / (HV / a.H);
-    const int rg = lane & 15, r0 = rg * RK, c0 = vw * 8 + (lane >> 4) * 4;
+    const int items = (int)a.N * HV * nvw;
+    const int rg = lane & 15, cg = lane >> 4;
 
-    /* independent loads first: validity flag, sequence bounds (clamped to
-     * [0, T], so that even invalid offsets never read out of bounds), slot */
-    const int bad = a.flags ? a.flags[0] : 0;
-    int64_t bos, len;
-    if (a.cu) {
-        int64_t b0 = fq_rec_index(a.cu, a.cu_is64, n), b1 = fq_rec_index(a.cu, a.cu_is64, n + 1);
-        b0 = b0 < 0 ? 0 : (b0 > a.T ? a.T : b0);
-        b1 = b1 < b0 ? b0 : (b1 > a.T ? a.T : b1);
-        bos = b0;
-        len = b1 - b0;
-    } else {
-        bos = n * a.T;
-        len = a.T;
-    }
-    const int64_t slot = a.idx ? fq_rec_index(a.idx, a.idx_is64, n) : n;
-    const float Aexp = a.A_log ? __expf(__ldg(a.A_log + j)) : 0.f;
-    const float dtb = a.dt_bias ? __ldg(a.dt_bias + j) : 0.f;
-
-    /* the first group's token inputs (they depend on bos only) */
-    fq_rec_tok<RK, ES> tok[NPF];
-#pragma unroll
-    for (int i = 0; i < NPF; i++)
-        if (i < len) fq_rec_load_tok<RK, ES>(tok[i], a, bos + i, hq, j, r0, c0, Aexp, dtb);
-
-    if (bad) {
+    /* programmatic dependent launch: nothing is read before the kernel
+     * before this one is complete (the cu_seqlens check, or the caller's) */
+    fq_pdl_wait();
+    fq_pdl_trigger();
+    if (a.flags && a.flags[0]) {
         /* invalid cu_seqlens: o <- NaN (grid-stride), nothing else written */
         const int64_t total = a.T * HV * V, nth = (int64_t)gridDim.x * blockDim.x;
         const float nan = __int_as_float(0x7fc00000);
@@ -239,106 +323,152 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
             fq_st_f(a.o, a.dtype, i, nan);
         return;
     }
-    if (slot < 0 || slot >= a.P) {
-        /* padding: o rows 0, the pool untouched */
-        if (rg == 0)
-            for (int64_t t = 0; t < len; t++) {
-                const int64_t ob = ((bos + t) * HV + j) * V + c0;
-                fq_st_f2(a.o, a.dtype, ob, 0.f, 0.f);
-                fq_st_f2(a.o, a.dtype, ob + 2, 0.f, 0.f);
-            }
-        return;
-    }
-    if (len == 0) return;
 
-    float S[RK][4];
-    float *sp = a.state + (slot * HV + j) * (int64_t)K * V;
-    fq_rec_tile_load<RK>(S, sp, r0, c0, K, V, a.vk);
-    /* a slot an earlier sequence names too belongs to that one (issue 9):
-     * scan state_indices[0 .. n) (n / 32 loads per lane, in flight with the
-     * state tile and with each other: no early exit, whose test on each
-     * loaded value made the loads one dependent round trip after another,
-     * 8 at N = 256), NaN rows and no state writes here */
-    if (a.idx) {
-        int dup = 0;
-#pragma unroll 4
-        for (int64_t m = lane; m < n; m += 32) dup |= fq_rec_index(a.idx, a.idx_is64, m) == slot;
-        if (__any_sync(0xffffffffu, dup)) {
-            if (rg == 0) {
-                const float nan = __int_as_float(0x7fc00000);
-                for (int64_t t = 0; t < len; t++) {
-                    const int64_t ob = ((bos + t) * HV + j) * V + c0;
-                    fq_st_f2(a.o, a.dtype, ob, nan, nan);
-                    fq_st_f2(a.o, a.dtype, ob + 2, nan, nan);
+    /* prologue: item w0 resolved and its stage issued; item w0 + W's index
+     * loads in flight */
+    fq_rec_item dn;
+    fq_rec_item_load(dn, a, w0, items, nvw);
+    fq_rec_where cur = fq_rec_resolve(dn, a, nvw);
+    fq_rec_item_load(dn, a, w0 + W, items, nvw);
+    if (w0 < items) {
+        if (cur.has_state)
+            fq_rec_tile_copy<K, VK>(stg0, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), lane, rg, 8 * cur.vw + 4 * cg, V);
+        fq_rec_tok_copy<K, NPF, ES>(stg0, a, cur.bos, min(NPF, cur.len), cur.hq, cur.j, cur.vw, lane);
+    }
+    fq_cp_async_commit();
+    fq_rec_gates<NPF> gc;
+    fq_rec_gates_load<NPF>(gc, a, cur, 0);
+    int dup = fq_rec_is_dup(a, cur, lane);
+
+    int b = 0;
+    for (int it = w0; it < items; it += W, b ^= 1) {
+        /* the next item: resolved (its index loads were issued an item ago),
+         * its stage issued, its gates and the index loads of the one after */
+        const fq_rec_where nx = fq_rec_resolve(dn, a, nvw);
+        const int has_next = it + W < items;
+        fq_rec_item_load(dn, a, it + 2 * W, items, nvw);
+        if (has_next) {
+            if (nx.has_state)
+                fq_rec_tile_copy<K, VK>(stg0 + (b ^ 1) * SG::bytes, a.state + ((int64_t)nx.slot * HV + nx.j) * (K * V), lane, rg,
+                                        8 * nx.vw + 4 * cg, V);
+            fq_rec_tok_copy<K, NPF, ES>(stg0 + (b ^ 1) * SG::bytes, a, nx.bos, min(NPF, nx.len), nx.hq, nx.j, nx.vw, lane);
+        }
+        fq_cp_async_commit();
+        fq_rec_gates<NPF> gn = gc;
+        if (has_next) fq_rec_gates_load<NPF>(gn, a, nx, 0);
+
+        /* this item */
+        fq_cp_async_wait<1>();
+        __syncwarp();
+        unsigned char *st = stg0 + b * SG::bytes;
+        const int c0 = 8 * cur.vw + 4 * cg;
+        if (!cur.has_state || dup) {
+            /* padding (slot < 0 or >= P): o rows 0, the pool untouched; a
+             * duplicated slot: o rows NaN, nothing written */
+            if (rg == 0 && cur.len > 0) {
+                const float x = dup ? __int_as_float(0x7fc00000) : 0.f;
+                for (int t = 0; t < cur.len; t++) {
+                    const int64_t ob = ((cur.bos + t) * HV + cur.j) * V + c0;
+                    fq_st_f2(a.o, a.dtype, ob, x, x);
+                    fq_st_f2(a.o, a.dtype, ob + 2, x, x);
                 }
             }
-            return;
-        }
-    }
-
-    for (int64_t t0 = 0; t0 < len; t0 += NPF) {
-        if (t0 > 0) /* the next group's inputs, all in flight at once */
+        } else {
+            float S[RK][4];
 #pragma unroll
-            for (int i = 0; i < NPF; i++)
-                if (t0 + i < len) fq_rec_load_tok<RK, ES>(tok[i], a, bos + t0 + i, hq, j, r0, c0, Aexp, dtb);
-#pragma unroll
-        for (int i = 0; i < NPF; i++) {
-            const int64_t t = t0 + i;
-            if (t >= len) break;
-            float qv[RK], kv[RK], vv[4];
-            fq_raw_to_f<RK, ES>(tok[i].q, a.dtype, qv);
-            fq_raw_to_f<RK, ES>(tok[i].k, a.dtype, kv);
-            fq_raw_to_f<4, ES>(tok[i].v, a.dtype, vv);
-
-            float part[FQ_REC_RED];
-#pragma unroll
-            for (int e = 0; e < FQ_REC_RED; e++) part[e] = 0.f;
-#pragma unroll
-            for (int r = 0; r < RK; r++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    part[e] += S[r][e] * kv[r];
-                    part[4 + e] += S[r][e] * qv[r];
+            for (int f = 0; f < RK; f++) fq_rec_f4_to_S<K, VK>(S, f, *(const float4 *)(st + (f * 32 + lane) * 16));
+            /* NPF = 1 serves T = 1 without cu_seqlens only: len is 1 there */
+            const int len = NPF == 1 ? 1 : cur.len;
+            for (int t0 = 0; t0 < len; t0 += NPF) {
+                if (NPF > 1 && t0 > 0) {
+                    /* tokens past the first group (T > NPF): copied into this
+                     * stage and waited for here */
+                    __syncwarp();
+                    fq_rec_tok_copy<K, NPF, ES>(st, a, cur.bos + t0, min(NPF, cur.len - t0), cur.hq,
+                                                cur.j, cur.vw, lane);
+                    fq_cp_async_commit();
+                    fq_rec_gates_load<NPF>(gc, a, cur, t0);
+                    fq_cp_async_wait<0>();
+                    __syncwarp();
                 }
-                part[8] += kv[r] * qv[r];
-                part[9] += kv[r] * kv[r];
-                part[10] += qv[r] * qv[r];
-            }
-            /* sum over the 16 row groups (lane bits 0..3): every lane gets the totals */
 #pragma unroll
-            for (int m = 1; m < 16; m <<= 1)
+                for (int i = 0; i < NPF; i++) {
+                    const int t = t0 + i;
+                    if (t >= len) break;
+                    const unsigned char *tk = st + SG::state_bytes + i * SG::tok_bytes;
+                    float qv[RK], kv[RK], vv[4];
 #pragma unroll
-                for (int e = 0; e < FQ_REC_RED; e++) part[e] += __shfl_xor_sync(0xffffffffu, part[e], m);
+                    for (int h = 0; h < RK / 4; h++) {
+                        fq_rec_ld4<ES>(tk + (64 * h + 4 * rg) * ES, a.dtype, qv + 4 * h);
+                        fq_rec_ld4<ES>(tk + SG::qk_bytes + (64 * h + 4 * rg) * ES, a.dtype, kv + 4 * h);
+                    }
+                    fq_rec_ld4<ES>(tk + 2 * SG::qk_bytes + 4 * cg * ES, a.dtype, vv);
+                    /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
+                    float g = gc.g[i];
+                    if (a.A_log) {
+                        const float xg = g + gc.dtb;
+                        g = -__expf(gc.Aexp) * (xg > 20.f ? xg : log1pf(__expf(xg)));
+                    }
+                    const float bt = a.beta_sigmoid ? 1.f / (1.f + __expf(-gc.b[i])) : gc.b[i];
 
-            float rq = 1.f, rk = 1.f;
-            if (a.l2norm) {
-                rk = rsqrtf(part[9] + 1e-6f);
-                rq = rsqrtf(part[10] + 1e-6f);
-            }
-            const float alpha = __expf(tok[i].g), bt = tok[i].b;
-            const float kq = part[8] * rk * rq;
-            float u[4], ov[4];
+                    /* partial sums over the lane's rows; then over the 16 row
+                     * groups (lane bits 0..3): every lane gets the totals */
+                    float part[FQ_REC_RED];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                u[e] = bt * (vv[e] - alpha * rk * part[e]);
-                ov[e] = a.scale * (alpha * rq * part[4 + e] + u[e] * kq);
-            }
-            if (rg == 0) {
-                const int64_t ob = ((bos + t) * HV + j) * V + c0;
-                fq_st_f2(a.o, a.dtype, ob, ov[0], ov[1]);
-                fq_st_f2(a.o, a.dtype, ob + 2, ov[2], ov[3]);
-            }
+                    for (int e = 0; e < FQ_REC_RED; e++) part[e] = 0.f;
 #pragma unroll
-            for (int r = 0; r < RK; r++) {
-                const float kn = rk * kv[r];
+                    for (int r = 0; r < RK; r++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) S[r][e] = alpha * S[r][e] + kn * u[e];
+                        for (int e = 0; e < 4; e++) {
+                            part[e] += S[r][e] * kv[r];
+                            part[4 + e] += S[r][e] * qv[r];
+                        }
+                        part[8] += kv[r] * qv[r];
+                        part[9] += kv[r] * kv[r];
+                        part[10] += qv[r] * qv[r];
+                    }
+#pragma unroll
+                    for (int m = 1; m < 16; m <<= 1)
+#pragma unroll
+                        for (int e = 0; e < FQ_REC_RED; e++) part[e] += __shfl_xor_sync(0xffffffffu, part[e], m);
+
+                    float rq = 1.f, rk = 1.f;
+                    if (a.l2norm) {
+                        rk = rsqrtf(part[9] + 1e-6f);
+                        rq = rsqrtf(part[10] + 1e-6f);
+                    }
+                    const float alpha = __expf(g);
+                    const float kq = part[8] * rk * rq;
+                    float u[4], ov[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        u[e] = bt * (vv[e] - alpha * rk * part[e]);
+                        ov[e] = a.scale * (alpha * rq * part[4 + e] + u[e] * kq);
+                    }
+                    if (rg == 0) {
+                        const int64_t ob = ((cur.bos + t) * HV + cur.j) * V + c0;
+                        fq_st_f2(a.o, a.dtype, ob, ov[0], ov[1]);
+                        fq_st_f2(a.o, a.dtype, ob + 2, ov[2], ov[3]);
+                    }
+#pragma unroll
+                    for (int r = 0; r < RK; r++) {
+                        const float kn = rk * kv[r];
+#pragma unroll
+                        for (int e = 0; e < 4; e++) S[r][e] = alpha * S[r][e] + kn * u[e];
+                    }
+                    if (a.inter) /* the state after token t (speculative verify) */
+                        fq_rec_tile_store<K, VK>(S, a.inter + (((int64_t)cur.n * a.Ti + t) * HV + cur.j) * (K * V), rg, c0, V);
+                }
             }
-            if (a.inter) /* the state after token t (speculative verify) */
-                fq_rec_tile_store<RK>(S, a.inter + ((n * a.Ti + t) * HV + j) * (int64_t)K * V, r0, c0, K, V, a.vk);
+            if (a.update) fq_rec_tile_store<K, VK>(S, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), rg, c0, V);
         }
+        /* every lane is done with this stage's tokens before it is refilled */
+        __syncwarp();
+        dup = has_next ? fq_rec_is_dup(a, nx, lane) : 0;
+        cur = nx;
+        gc = gn;
     }
-    if (a.update) fq_rec_tile_store<RK>(S, sp, r0, c0, K, V, a.vk);
+    fq_cp_async_wait<0>();
 }
 
 /* One block: flags[0] = 1 when cu_seqlens does not start at 0, decreases,
@@ -369,11 +499,55 @@ extern "C" size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p)
     return FQ_REC_WS; /* the cu_seqlens validity flag */
 }
 
-template <int K, int NPF>
-static void fq_rec_launch(const fq_rec_args &a, unsigned blocks, unsigned threads, cudaStream_t stream)
+/* SMs of the current device, cached per device (the call stays free of
+ * attribute queries after the first). */
+static int fq_rec_sm_count(int dev)
 {
-    if (a.dtype == FQ_F32) fq_recurrent_kernel<K, NPF, 4><<<blocks, threads, 0, stream>>>(a);
-    else fq_recurrent_kernel<K, NPF, 2><<<blocks, threads, 0, stream>>>(a);
+    static int cache[64];
+    if (dev < 0 || dev >= 64) return 132;
+    if (cache[dev] <= 0) {
+        int sms = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+            (void)cudaGetLastError();
+            return 132;
+        }
+        cache[dev] = sms;
+    }
+    return cache[dev];
+}
+
+/* One kernel: nw warps per block, two stages per warp; the grid is at most
+ * what is resident at once (each warp then walks items w, w + W, ...), so
+ * every warp prefetches its next item while it computes one. Resident
+ * blocks per SM and the shared-memory opt-in are settled once per kernel
+ * and device. */
+template <int K, int NPF, int ES, int VK>
+static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int nw, int dev, int sms, cudaStream_t stream)
+{
+    void (*kern)(fq_rec_args) = fq_recurrent_kernel<K, NPF, ES, VK>;
+    const size_t smem = (size_t)nw * 2 * fq_rec_stage<K, NPF, ES>::bytes;
+    static int resident[64][3]; /* [device][nw = 1, 2, 4] blocks per SM, 0: not yet asked */
+    const int slot = nw == 4 ? 2 : nw - 1;
+    int per_sm = dev >= 0 && dev < 64 ? resident[dev][slot] : 0;
+    if (per_sm <= 0) {
+        FQ_CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * nw, smem));
+        if (per_sm <= 0) per_sm = 1;
+        if (dev >= 0 && dev < 64) resident[dev][slot] = per_sm;
+    }
+    int64_t blocks = items / nw; /* items is a multiple of 8 */
+    if (blocks > (int64_t)per_sm * sms) blocks = (int64_t)per_sm * sms;
+    return fq_launch_k(kern, (unsigned)blocks, 32u * (unsigned)nw, smem, stream, fq_cuda_pdl_enabled(), a);
+}
+
+template <int K, int NPF>
+static fq_status fq_rec_launch_dt(const fq_rec_args &a, int64_t items, int nw, int dev, int sms, cudaStream_t stream)
+{
+    if (a.dtype == FQ_F32)
+        return a.vk ? fq_rec_launch<K, NPF, 4, 1>(a, items, nw, dev, sms, stream)
+                    : fq_rec_launch<K, NPF, 4, 0>(a, items, nw, dev, sms, stream);
+    return a.vk ? fq_rec_launch<K, NPF, 2, 1>(a, items, nw, dev, sms, stream)
+                : fq_rec_launch<K, NPF, 2, 0>(a, items, nw, dev, sms, stream);
 }
 
 static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
@@ -414,28 +588,26 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
                                                       p->intermediate_states ? p->Ti : 0, (int *)p->workspace);
         FQ_CUDA_CHECK_LAUNCH();
     }
-    const int64_t warps = p->N * p->HV * (p->V / 8);
-    if (warps <= 0) return FQ_OK;
-    int dev = 0, sms = 132;
+    const int64_t items = p->N * p->HV * (p->V / 8);
+    if (items <= 0) return FQ_OK;
+    if (items > INT32_MAX / 2 || p->T > INT32_MAX || p->P > INT32_MAX)
+        return fq_fail(FQ_ERR_VALUE, "the CUDA recurrent step takes fewer than 2^30 (sequence, value head, 8 "
+                                     "columns) items and fewer than 2^31 tokens and pool slots");
+    int dev = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
-    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    /* 4 warps per block unless that leaves SMs without two blocks; V / 8 is
-     * 8 or 16, so warps is a multiple of every choice */
+    const int sms = fq_rec_sm_count(dev);
+    /* 4 warps per block unless that leaves SMs without two blocks (N = 1,
+     * HV = 32: 512 one-warp blocks); V / 8 is 8 or 16, so items is a
+     * multiple of every choice */
     int nw = 4;
-    while (nw > 1 && warps / nw < 2 * (int64_t)sms) nw /= 2;
-    const unsigned blocks = (unsigned)(warps / nw), threads = 32u * (unsigned)nw;
-    /* T = 1 (without cu_seqlens, the decode step): one token in registers;
+    while (nw > 1 && items / nw < 2 * (int64_t)sms) nw /= 2;
+    /* T = 1 (without cu_seqlens, the decode step): one token per stage;
      * otherwise groups of 4 */
     const int one = !p->cu_seqlens && p->T <= 1;
-    if (p->K == 128) {
-        if (one) fq_rec_launch<128, 1>(a, blocks, threads, stream);
-        else fq_rec_launch<128, 4>(a, blocks, threads, stream);
-    } else {
-        if (one) fq_rec_launch<64, 1>(a, blocks, threads, stream);
-        else fq_rec_launch<64, 4>(a, blocks, threads, stream);
-    }
-    FQ_CUDA_CHECK_LAUNCH();
-    return FQ_OK;
+    if (p->K == 128) return one ? fq_rec_launch_dt<128, 1>(a, items, nw, dev, sms, stream)
+                                : fq_rec_launch_dt<128, 4>(a, items, nw, dev, sms, stream);
+    return one ? fq_rec_launch_dt<64, 1>(a, items, nw, dev, sms, stream)
+               : fq_rec_launch_dt<64, 4>(a, items, nw, dev, sms, stream);
 }
 
 /* CUDA-only rules of the serving options (gate parameters in float32). */
