@@ -71,8 +71,8 @@ template <int K> struct fq_fused_smem {
     static constexpr int off_u = off_w1 + (KT - 1) * FQ_TILE; /* U^T fp32 (64 rows of 68), then the O staging */
     static constexpr int stage = off_u + 64 * 68 * 4;          /* a multiple of 1024 */
     static constexpr int off_bar = FQ_FUSED_STAGES * stage;     /* full, ready_w, ready_p, empty, checked */
-    static constexpr int off_chk = off_bar + (5 * FQ_FUSED_STAGES * 8 + 15) / 16 * 16; /* per stage: 2 ints */
-    static constexpr int off_rec = off_chk + (2 * FQ_FUSED_STAGES * 4 + 15) / 16 * 16; /* per stage: the gate record */
+    static constexpr int off_chk = off_bar + (5 * FQ_FUSED_STAGES * 8 + 15) / 16 * 16; /* per stage: an int */
+    static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16;   /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
     static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
     static constexpr uint32_t load_bytes = (2 * KT + 2) * FQ_TILE + rec_bytes;
@@ -179,10 +179,9 @@ __global__ void __launch_bounds__(384, 1)
     uint64_t *ready_w = full + FQ_FUSED_STAGES, *ready_p = ready_w + FQ_FUSED_STAGES;
     uint64_t *empty = ready_p + FQ_FUSED_STAGES;
     /* checked: the stage's V rows checked (issue 9), the record poisoned
-     * where they are not finite; chk: the checker's row minimum per stage
-     * (scratch), fvs: its result for the prep */
+     * where they are not finite; chk: the checker's row minimum per stage */
     uint64_t *checked = empty + FQ_FUSED_STAGES;
-    int *chk = (int *)(smem + SM::off_chk), *fvs = chk + FQ_FUSED_STAGES;
+    int *chk = (int *)(smem + SM::off_chk);
 
     constexpr int MAP = MODE == FQ_FUSED_MAP;
     const int HV = args.HV, ncb = args.ncb;
@@ -247,8 +246,8 @@ __global__ void __launch_bounds__(384, 1)
              * in this CTA's 64 columns; from it on the stage's record is
              * poisoned as stage A poisons it for k, g, beta (qg = NaN: those o
              * rows come out NaN; e^{gamma_C} = NaN: the state after the chunk)
-             * and fvs[s] = fv has the prep zero those V rows before U = A'' V.
-             * The prep issues W = A' K before it waits for this. */
+             * and FQ_REC_F = min(f, fv) has the prep zero those tile rows.
+             * Off the critical path: the loads run up to three chunks ahead. */
             const int tk = tid - 32, lane = tid & 31;
             for (int i = 0; i < nch; i++) {
                 const int s = i % FQ_FUSED_STAGES;
@@ -271,15 +270,13 @@ __global__ void __launch_bounds__(384, 1)
                         if (lane + 32 >= fv) rec[FQ_REC_QG + lane + 32] = nan;
                         if (lane == 0) {
                             rec[FQ_REC_EC] = nan;
+                            if ((float)fv < rec[FQ_REC_F]) rec[FQ_REC_F] = (float)fv;
                             chk[s] = 64;
                         }
                         fq_fence_async_smem(); /* before a later TMA load overwrites the record */
                         __syncwarp();
                     }
-                    if (lane == 0) {
-                        fvs[s] = fv;
-                        fq_mbar_arrive(&checked[s]);
-                    }
+                    if (lane == 0) fq_mbar_arrive(&checked[s]);
                 }
             }
         }
@@ -292,13 +289,14 @@ __global__ void __launch_bounds__(384, 1)
             unsigned char *st = smem + s * SM::stage;
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const int len = min(64, si.len - 64 * i);
-            /* the stage is ours once its loads landed (the chain is done with its last use) */
-            fq_mbar_wait(&full[s], (i / FQ_FUSED_STAGES) & 1);
+            /* the stage is ours once its loads landed and its V rows are checked
+             * (the chain is done with its last use) */
+            fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
             /* rows from zr on enter nothing: the padding rows of a sequence's last
              * chunk (rows of the next sequence) and, from stage A's f, the rows
-             * from the chunk's first non-finite k, g or beta on (issue 9: their
-             * NaN would reach earlier rows through the zeros of A and P); the
-             * checker's rows of V follow below */
+             * from the chunk's first non-finite k, g, beta (stage A) or v (the
+             * checker) on (issue 9: their NaN would reach earlier rows through
+             * the zeros of A and P) */
             const int zr = min(len, (int)rec[FQ_REC_F]);
             if (zr < 64) {
                 /* zero rows zr.. of Q, K, V */
@@ -339,16 +337,6 @@ __global__ void __launch_bounds__(384, 1)
                     fq_wgmma_rs_n128<1, 0>(wacc, a1[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), kk > 0);
                 else
                     fq_wgmma_rs_n64<1, 0>(wacc, a1[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), kk > 0);
-            }
-            /* V's rows checked (the checker warps): rows from its fv on are
-             * zeroed before U reads them (W above never reads V) */
-            fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
-            const int fv = fvs[s];
-            if (!mblk && fv < zr) { /* warpgroup-uniform, rare */
-                for (int idx = tp; idx < (64 - fv) * 8; idx += 128)
-                    *(uint4 *)(st + SM::off_v + (fv + idx / 8) * 128 + (idx % 8) * 16) = make_uint4(0, 0, 0, 0);
-                fq_fence_async_smem();
-                fq_named_bar(2, 128);
             }
             /* U = A'' V (V MN-major: rows are the reduction index; U = 0 for an M block) */
             if (!mblk) {

@@ -7,9 +7,9 @@
  *     o_t     = scale S_t^T q_t = scale (alpha_t S^T q_t + u_t (k_t . q_t))
  *     S      <- alpha_t S + k_t u_t^T
  *
- * One warp per item (sequence n, value head j, 8 state columns); no block
- * barrier. Lane l holds K/16 state rows of 4 columns in fp32 registers
- * (fq_rec_f4_offset says which), read once and written back once. Per token:
+ * One warp per item (sequence n, value head j, 8 state columns). Lane l
+ * holds K/16 state rows of 4 columns in fp32 registers (fq_rec_f4_offset
+ * says which), read once and written back once. Per token:
  *
  *     partial sums over the lane's rows of S^T k, S^T q (4 columns each) and
  *     of k.q, |k|^2, |q|^2 (for use_qk_l2norm: q = rq q_raw, k = rk k_raw)
@@ -17,18 +17,21 @@
  *     lane has the totals, computes u and o for its 4 columns and updates
  *     its rows; lanes 0 and 16 store o.
  *
- * Persistent warps: the grid is what is resident at once and warp w takes
- * items w, w + W, w + 2W, ... While it computes one item, the next item's
- * state tile and first NPF tokens (q, k rows, v columns: 1 token for T = 1,
- * else 4) are on their way into the warp's other shared-memory stage
- * (cp.async), its gates into registers, and the index loads (cu_seqlens,
- * state_indices) of the item after that are in flight: a warp never waits
- * for a load it has just issued, and every warp keeps a state tile in
- * flight (decode is bound by the bytes in flight per SM). Blocks of 4 warps,
- * fewer when that would leave SMs without two blocks (N = 1, HV = 32: 512
- * one-warp blocks). Launched with programmatic dependent launch: the blocks
- * of a decode step are resident while the step before finishes, and wait
- * for it (griddepcontrol.wait) before their first load.
+ * A block of NW warps takes NW adjacent items at a time (a block item, 8 NW
+ * columns); the grid is what is resident at once and block b walks block
+ * items b, b + G, b + 2G, ... While it computes one, the next one's state
+ * tile and first NPF tokens (q, k rows, v columns: 1 token for T = 1, else 4)
+ * are on their way into the block's other shared-memory stage (cp.async by
+ * all its threads, along memory: a [K, V] tile 128 contiguous bytes per row
+ * at NW = 4, a [V, K] tile one contiguous run), its gates into registers, and
+ * the index loads (cu_seqlens, state_indices) of the block item after that
+ * are in flight: no load is waited for where it is issued, every block keeps
+ * a tile in flight (decode is bound by the bytes in flight per SM), one block
+ * barrier per item. NW = 4, fewer when that would leave SMs without a block
+ * (N = 1, HV = 32: 256 blocks of 2 warps). Launched with programmatic
+ * dependent launch: the blocks of a decode step are resident while the step
+ * before finishes, and wait for it (griddepcontrol.wait) before their first
+ * load.
  *
  * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
  * rows of the sequence written as 0, the pool untouched; a slot an earlier
@@ -44,7 +47,8 @@
  *
  * The kernels before it (one block of 128 threads per 32 columns with a
  * shared-memory reduction, commit ea9c650; one warp per item without
- * prefetch, commit d791258) are in git history and benchmarks/NOTES.md.
+ * prefetch, commit d791258; per-warp stages, commit c6a0c89) are in git
+ * history and benchmarks/NOTES.md.
  */
 #include "gdn_cuda_common.cuh"
 
@@ -86,19 +90,33 @@ static __device__ __forceinline__ float fq_ldg_f(const void *p, fq_dtype dt, int
 
 /* ------------------------------------------------------------ staging ----
  *
- * Each warp owns two stages in shared memory. A stage holds one item's state
- * tile (K rows x 8 columns, fp32) and the raw q row, k row and v columns of
- * its first NPF tokens, copied there by cp.async while the warp computes the
- * item before it. The state part is lane-own (lane l's float4 number f at
- * float4 index f * 32 + l: no bank conflicts, no cross-lane wait); the token
- * part is shared by the warp ([q: K | k: K | v: 8] elements per token). */
+ * A block of NW warps (1, 2 or 4) takes one block item at a time: (sequence
+ * n, value head j, 8 NW columns), warp w of it the 8 columns 8 w .. of the
+ * group. Each block owns two stages in shared memory. A stage holds the
+ * block item's state tile (K rows x 8 NW columns, fp32) and the raw q row,
+ * k row and v columns of its first NPF tokens, copied there by cp.async
+ * (all threads of the block together) while the block computes the item
+ * before it. The copy runs along memory: [K, V] 16 rows of 32 NW contiguous
+ * bytes per warp instruction (128 bytes at NW = 4), [V, K] the tile is one
+ * contiguous run. Tokens: [q: K | k: K | v: 8 NW] elements per token. */
 template <int K, int NPF, int ES> struct fq_rec_stage {
-    static constexpr int RK = K / 16;             /* float4 of state per lane */
-    static constexpr int state_bytes = RK * 32 * 16;
-    static constexpr int qk_bytes = K * ES;       /* one q (or k) row */
-    static constexpr int tok_bytes = 2 * qk_bytes + 8 * ES;
-    static constexpr int bytes = state_bytes + NPF * tok_bytes; /* a multiple of 16 */
+    static constexpr int RK = K / 16;            /* float4 of state per thread */
+    static constexpr int qk_bytes = K * ES;      /* one q (or k) row */
+    static __host__ __device__ constexpr int state_bytes(int nw) { return RK * 512 * nw; }
+    static __host__ __device__ constexpr int tok_bytes(int nw) { return 2 * qk_bytes + 8 * nw * ES; }
+    static __host__ __device__ constexpr int bytes(int nw) { return state_bytes(nw) + NPF * tok_bytes(nw); }
 };
+
+/* The 16-byte slot of state slot s in a stage. [K, V]: s = row * 2 NW +
+ * chunk (chunk: 4 columns), swizzled (the low 3 bits xor (row / 4) & 7, a
+ * permutation inside each aligned group of 8 slots, which never spans more
+ * than one value of row / 4) so that a warp's reads of 8 rows 4 apart hit 8
+ * different bank groups; [V, K]: s = column * K / 4 + row / 4, as is. */
+template <int VK>
+static __device__ __forceinline__ int fq_rec_phys(int s, int row)
+{
+    return VK ? s : s ^ ((row >> 2) & 7);
+}
 
 /* The lane's state entries. Lane l = 16 cg + rg holds columns c0 .. c0 + 3
  * (c0 = 8 vw + 4 cg) of the rows
@@ -153,32 +171,63 @@ static __device__ __forceinline__ void fq_rec_tile_store(const float S[K / 16][4
     for (int f = 0; f < K / 16; f++) *(float4 *)(base + fq_rec_f4_offset<K, VK>(f, V)) = fq_rec_S_to_f4<K, VK>(S, f);
 }
 
-/* cp.async of the tile at base into the lane's part of a stage. */
+/* cp.async of the block item's state tile (head: the value head's state,
+ * colbase: its first column) into a stage; lw = log2(2 NW), tid: the thread
+ * in the block. Each thread copies RK slots. */
 template <int K, int VK>
-static __device__ __forceinline__ void fq_rec_tile_copy(unsigned char *stage, const float *base, int lane, int rg,
-                                                        int c0, int V)
+static __device__ __forceinline__ void fq_rec_tile_copy(unsigned char *stage, const float *head, int colbase, int lw,
+                                                        int V, int tid)
 {
-    base += fq_rec_lane_offset<K, VK>(rg, c0, V);
+    const int nth = 16 << lw; /* 32 NW threads */
 #pragma unroll
-    for (int f = 0; f < K / 16; f++) fq_cp_async16(stage + (f * 32 + lane) * 16, base + fq_rec_f4_offset<K, VK>(f, V), 16);
+    for (int p = 0; p < K / 16; p++) {
+        const int s = p * nth + tid;
+        if (!VK) {
+            const int row = s >> lw, ch = s & ((1 << lw) - 1);
+            fq_cp_async16(stage + 16 * fq_rec_phys<0>(s, row), head + row * V + colbase + 4 * ch, 16);
+        } else {
+            fq_cp_async16(stage + 16 * s, head + colbase * K + 4 * s, 16);
+        }
+    }
+}
+
+/* The lane's RK float4 of the tile from a stage (warp wib of the block). */
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_read(float S[K / 16][4], const unsigned char *stage, int lw, int wib,
+                                                        int rg, int cg)
+{
+#pragma unroll
+    for (int f = 0; f < K / 16; f++) {
+        int phys;
+        if (!VK) {
+            const int row = 64 * (f / 4) + 4 * rg + (f % 4);
+            phys = fq_rec_phys<0>((row << lw) + 2 * wib + cg, row);
+        } else {
+            constexpr int KH = K / 64;
+            phys = (8 * wib + 4 * cg + f / KH) * (K / 4) + 16 * (f % KH) + rg;
+        }
+        fq_rec_f4_to_S<K, VK>(S, f, *(const float4 *)(stage + 16 * phys));
+    }
 }
 
 /* cp.async of tokens row0 .. row0 + n - 1 (n <= NPF) into the token part of a
- * stage, the warp's lanes sharing the 16-byte pieces. */
+ * stage, the block's threads sharing the 16-byte pieces. */
 template <int K, int NPF, int ES>
 static __device__ __forceinline__ void fq_rec_tok_copy(unsigned char *stage, const fq_rec_args &a, int64_t row0,
-                                                       int n, int hq, int j, int vw, int lane)
+                                                       int n, int hq, int j, int colbase, int nw, int tid)
 {
     typedef fq_rec_stage<K, NPF, ES> SG;
-    constexpr int QC = SG::qk_bytes / 16, TC = SG::tok_bytes / 16;
-    for (int c = lane; c < n * TC; c += 32) {
+    constexpr int QC = SG::qk_bytes / 16;
+    const int TC = SG::tok_bytes(nw) / 16;
+    unsigned char *dst = stage + SG::state_bytes(nw);
+    for (int c = tid; c < n * TC; c += 32 * nw) {
         const int t = c / TC, w = c % TC;
         const int64_t row = row0 + t;
         const unsigned char *src;
         if (w < QC) src = (const unsigned char *)a.q + (row * a.H + hq) * (int64_t)SG::qk_bytes + 16 * w;
         else if (w < 2 * QC) src = (const unsigned char *)a.k + (row * a.H + hq) * (int64_t)SG::qk_bytes + 16 * (w - QC);
-        else src = (const unsigned char *)a.v + ((row * a.HV + j) * a.V + 8 * vw) * (int64_t)ES + 16 * (w - 2 * QC);
-        fq_cp_async16(stage + SG::state_bytes + t * SG::tok_bytes + 16 * w, src, 16);
+        else src = (const unsigned char *)a.v + ((row * a.HV + j) * a.V + colbase) * (int64_t)ES + 16 * (w - 2 * QC);
+        fq_cp_async16(dst + t * SG::tok_bytes(nw) + 16 * w, src, 16);
     }
 }
 
@@ -200,8 +249,9 @@ static __device__ __forceinline__ void fq_rec_ld4(const unsigned char *s, fq_dty
     }
 }
 
-/* An item: (sequence n, value head j, 8-column block vw); items < 2^31
- * (checked on the host). Its index loads (cu_seqlens, state_indices) are
+/* A block item: (sequence n, value head j, column group grp of 8 NW
+ * columns); ngrp = V / (8 NW) groups per head, items < 2^30 (checked on the
+ * host). Its index loads (cu_seqlens, state_indices) are
  * issued two items ahead and resolved one item ahead, so that no load is
  * waited for where it is issued. */
 struct fq_rec_item {
@@ -209,12 +259,12 @@ struct fq_rec_item {
     int64_t c0raw, c1raw, slotraw;
 };
 
-static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq_rec_args &a, int it, int items, int nvw)
+static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq_rec_args &a, int it, int items, int ngrp)
 {
     d.it = it;
     d.c0raw = d.c1raw = d.slotraw = 0;
     if (it >= items) return;
-    const int n = it / (nvw * a.HV);
+    const int n = it / (ngrp * a.HV);
     if (a.cu) {
         d.c0raw = fq_rec_index(a.cu, a.cu_is64, n);
         d.c1raw = fq_rec_index(a.cu, a.cu_is64, n + 1);
@@ -227,15 +277,15 @@ static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq
  * and whether the state tile is read at all. */
 struct fq_rec_where {
     int64_t bos;
-    int n, len, slot, j, vw, hq, has_state;
+    int n, len, slot, j, grp, hq, has_state;
 };
 
-static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item &d, const fq_rec_args &a, int nvw)
+static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item &d, const fq_rec_args &a, int ngrp)
 {
     fq_rec_where w;
-    w.n = d.it / (nvw * a.HV);
-    w.j = (d.it / nvw) % a.HV;
-    w.vw = d.it % nvw;
+    w.n = d.it / (ngrp * a.HV);
+    w.j = (d.it / ngrp) % a.HV;
+    w.grp = d.it % ngrp;
     w.hq = w.j / (a.HV / a.H);
     int64_t len;
     if (a.cu) {
@@ -289,10 +339,10 @@ static __device__ __forceinline__ int fq_rec_is_dup(const fq_rec_args &a, const 
 #define FQ_REC_RED 11 /* S^T k (4), S^T q (4), k.q, |k|^2, |q|^2 */
 
 /* Resident blocks of 4 warps per SM asked of the compiler (the state in
- * flight is what bounds decode: 4 KB per warp, prefetched one item ahead).
- * T = 1: 5 (96 registers, no spill; 37 KB of stages per block at bf16);
- * groups of 4 tokens: 4 (128 registers, 24-32 bytes of spill at K = 128,
- * 165-172 unbounded; 50 KB of stages at bf16, 67 KB at fp32: 3 blocks). */
+ * flight is what bounds decode: 16 KB per block, prefetched one item ahead).
+ * T = 1: 5 (96 registers, no spill; 34 KB of stages per block at bf16);
+ * groups of 4 tokens: 4 (128 registers, no spill; 37 KB of stages at bf16,
+ * 41 KB at fp32). */
 template <int K, int NPF> struct fq_rec_minb {
     static constexpr int value = NPF == 1 ? 5 : 4;
 };
@@ -303,12 +353,12 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
     typedef fq_rec_stage<K, NPF, ES> SG;
     constexpr int RK = K / 16;
     extern __shared__ __align__(16) unsigned char fq_rec_smem[];
-    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
-    const int W = gridDim.x * (blockDim.x >> 5);
-    const int w0 = blockIdx.x * (blockDim.x >> 5) + wib;
-    unsigned char *const stg0 = fq_rec_smem + 2 * wib * SG::bytes; /* stage b at stg0 + b * SG::bytes */
-    const int HV = a.HV, V = a.V, nvw = V / 8;
-    const int items = (int)a.N * HV * nvw;
+    const int tid = threadIdx.x, lane = tid & 31, wib = tid >> 5, nw = blockDim.x >> 5;
+    const int lw = nw == 4 ? 3 : nw; /* log2(2 NW) */
+    const int G = gridDim.x, w0 = blockIdx.x;
+    const int sbytes = SG::bytes(nw); /* stage b at fq_rec_smem + b * sbytes */
+    const int HV = a.HV, V = a.V, ngrp = V / (8 * nw);
+    const int items = (int)a.N * HV * ngrp;
     const int rg = lane & 15, cg = lane >> 4;
 
     /* programmatic dependent launch: nothing is read before the kernel
@@ -324,16 +374,17 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
         return;
     }
 
-    /* prologue: item w0 resolved and its stage issued; item w0 + W's index
-     * loads in flight */
+    /* prologue: block item w0 resolved and its stage issued; item w0 + G's
+     * index loads in flight */
     fq_rec_item dn;
-    fq_rec_item_load(dn, a, w0, items, nvw);
-    fq_rec_where cur = fq_rec_resolve(dn, a, nvw);
-    fq_rec_item_load(dn, a, w0 + W, items, nvw);
+    fq_rec_item_load(dn, a, w0, items, ngrp);
+    fq_rec_where cur = fq_rec_resolve(dn, a, ngrp);
+    fq_rec_item_load(dn, a, w0 + G, items, ngrp);
     if (w0 < items) {
         if (cur.has_state)
-            fq_rec_tile_copy<K, VK>(stg0, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), lane, rg, 8 * cur.vw + 4 * cg, V);
-        fq_rec_tok_copy<K, NPF, ES>(stg0, a, cur.bos, min(NPF, cur.len), cur.hq, cur.j, cur.vw, lane);
+            fq_rec_tile_copy<K, VK>(fq_rec_smem, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), 8 * nw * cur.grp,
+                                    lw, V, tid);
+        fq_rec_tok_copy<K, NPF, ES>(fq_rec_smem, a, cur.bos, min(NPF, cur.len), cur.hq, cur.j, 8 * nw * cur.grp, nw, tid);
     }
     fq_cp_async_commit();
     fq_rec_gates<NPF> gc;
@@ -341,27 +392,31 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
     int dup = fq_rec_is_dup(a, cur, lane);
 
     int b = 0;
-    for (int it = w0; it < items; it += W, b ^= 1) {
+    for (int it = w0; it < items; it += G, b ^= 1) {
+        /* this item's stage landed (every thread waits for its own copies,
+         * the barrier makes all of them visible), and every warp is done
+         * with the other stage (the item before) */
+        fq_cp_async_wait<0>();
+        __syncthreads();
         /* the next item: resolved (its index loads were issued an item ago),
          * its stage issued, its gates and the index loads of the one after */
-        const fq_rec_where nx = fq_rec_resolve(dn, a, nvw);
-        const int has_next = it + W < items;
-        fq_rec_item_load(dn, a, it + 2 * W, items, nvw);
+        const fq_rec_where nx = fq_rec_resolve(dn, a, ngrp);
+        const int has_next = it + G < items;
+        fq_rec_item_load(dn, a, it + 2 * G, items, ngrp);
+        unsigned char *const nst = fq_rec_smem + (b ^ 1) * sbytes;
         if (has_next) {
             if (nx.has_state)
-                fq_rec_tile_copy<K, VK>(stg0 + (b ^ 1) * SG::bytes, a.state + ((int64_t)nx.slot * HV + nx.j) * (K * V), lane, rg,
-                                        8 * nx.vw + 4 * cg, V);
-            fq_rec_tok_copy<K, NPF, ES>(stg0 + (b ^ 1) * SG::bytes, a, nx.bos, min(NPF, nx.len), nx.hq, nx.j, nx.vw, lane);
+                fq_rec_tile_copy<K, VK>(nst, a.state + ((int64_t)nx.slot * HV + nx.j) * (K * V), 8 * nw * nx.grp, lw, V,
+                                        tid);
+            fq_rec_tok_copy<K, NPF, ES>(nst, a, nx.bos, min(NPF, nx.len), nx.hq, nx.j, 8 * nw * nx.grp, nw, tid);
         }
         fq_cp_async_commit();
         fq_rec_gates<NPF> gn = gc;
         if (has_next) fq_rec_gates_load<NPF>(gn, a, nx, 0);
 
-        /* this item */
-        fq_cp_async_wait<1>();
-        __syncwarp();
-        unsigned char *st = stg0 + b * SG::bytes;
-        const int c0 = 8 * cur.vw + 4 * cg;
+        /* this item: warp wib's 8 columns of the group */
+        unsigned char *st = fq_rec_smem + b * sbytes;
+        const int c0 = 8 * nw * cur.grp + 8 * wib + 4 * cg;
         if (!cur.has_state || dup) {
             /* padding (slot < 0 or >= P): o rows 0, the pool untouched; a
              * duplicated slot: o rows NaN, nothing written */
@@ -375,34 +430,34 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
             }
         } else {
             float S[RK][4];
-#pragma unroll
-            for (int f = 0; f < RK; f++) fq_rec_f4_to_S<K, VK>(S, f, *(const float4 *)(st + (f * 32 + lane) * 16));
+            fq_rec_tile_read<K, VK>(S, st, lw, wib, rg, cg);
             /* NPF = 1 serves T = 1 without cu_seqlens only: len is 1 there */
             const int len = NPF == 1 ? 1 : cur.len;
             for (int t0 = 0; t0 < len; t0 += NPF) {
                 if (NPF > 1 && t0 > 0) {
                     /* tokens past the first group (T > NPF): copied into this
-                     * stage and waited for here */
-                    __syncwarp();
-                    fq_rec_tok_copy<K, NPF, ES>(st, a, cur.bos + t0, min(NPF, cur.len - t0), cur.hq,
-                                                cur.j, cur.vw, lane);
+                     * stage once every warp is done with the group before,
+                     * and waited for here (block-uniform: one item per block) */
+                    __syncthreads();
+                    fq_rec_tok_copy<K, NPF, ES>(st, a, cur.bos + t0, min(NPF, cur.len - t0), cur.hq, cur.j,
+                                                8 * nw * cur.grp, nw, tid);
                     fq_cp_async_commit();
                     fq_rec_gates_load<NPF>(gc, a, cur, t0);
                     fq_cp_async_wait<0>();
-                    __syncwarp();
+                    __syncthreads();
                 }
 #pragma unroll
                 for (int i = 0; i < NPF; i++) {
                     const int t = t0 + i;
                     if (t >= len) break;
-                    const unsigned char *tk = st + SG::state_bytes + i * SG::tok_bytes;
+                    const unsigned char *tk = st + SG::state_bytes(nw) + i * SG::tok_bytes(nw);
                     float qv[RK], kv[RK], vv[4];
 #pragma unroll
                     for (int h = 0; h < RK / 4; h++) {
                         fq_rec_ld4<ES>(tk + (64 * h + 4 * rg) * ES, a.dtype, qv + 4 * h);
                         fq_rec_ld4<ES>(tk + SG::qk_bytes + (64 * h + 4 * rg) * ES, a.dtype, kv + 4 * h);
                     }
-                    fq_rec_ld4<ES>(tk + 2 * SG::qk_bytes + 4 * cg * ES, a.dtype, vv);
+                    fq_rec_ld4<ES>(tk + 2 * SG::qk_bytes + (8 * wib + 4 * cg) * ES, a.dtype, vv);
                     /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
                     float g = gc.g[i];
                     if (a.A_log) {
@@ -462,8 +517,6 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
             }
             if (a.update) fq_rec_tile_store<K, VK>(S, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), rg, c0, V);
         }
-        /* every lane is done with this stage's tokens before it is refilled */
-        __syncwarp();
         dup = has_next ? fq_rec_is_dup(a, nx, lane) : 0;
         cur = nx;
         gc = gn;
@@ -516,26 +569,28 @@ static int fq_rec_sm_count(int dev)
     return cache[dev];
 }
 
-/* One kernel: nw warps per block, two stages per warp; the grid is at most
- * what is resident at once (each warp then walks items w, w + W, ...), so
- * every warp prefetches its next item while it computes one. Resident
- * blocks per SM and the shared-memory opt-in are settled once per kernel
- * and device. */
+/* One kernel: nw warps per block, two stages per block; the grid is at most
+ * what is resident at once (each block then walks block items b, b + G,
+ * ...), so every block prefetches its next item while it computes one.
+ * Resident blocks per SM and the shared-memory opt-in (for the largest
+ * stages, nw = 4) are settled once per kernel and device. */
 template <int K, int NPF, int ES, int VK>
-static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int nw, int dev, int sms, cudaStream_t stream)
+static fq_status fq_rec_launch(const fq_rec_args &a, int64_t cols8, int nw, int dev, int sms, cudaStream_t stream)
 {
+    typedef fq_rec_stage<K, NPF, ES> SG;
     void (*kern)(fq_rec_args) = fq_recurrent_kernel<K, NPF, ES, VK>;
-    const size_t smem = (size_t)nw * 2 * fq_rec_stage<K, NPF, ES>::bytes;
+    const size_t smem = (size_t)2 * SG::bytes(nw);
     static int resident[64][3]; /* [device][nw = 1, 2, 4] blocks per SM, 0: not yet asked */
     const int slot = nw == 4 ? 2 : nw - 1;
     int per_sm = dev >= 0 && dev < 64 ? resident[dev][slot] : 0;
     if (per_sm <= 0) {
-        FQ_CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        FQ_CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           2 * SG::bytes(4)));
         FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * nw, smem));
         if (per_sm <= 0) per_sm = 1;
         if (dev >= 0 && dev < 64) resident[dev][slot] = per_sm;
     }
-    int64_t blocks = items / nw; /* items is a multiple of 8 */
+    int64_t blocks = cols8 / nw; /* block items: cols8 is a multiple of 8 */
     if (blocks > (int64_t)per_sm * sms) blocks = (int64_t)per_sm * sms;
     return fq_launch_k(kern, (unsigned)blocks, 32u * (unsigned)nw, smem, stream, fq_cuda_pdl_enabled(), a);
 }
@@ -596,11 +651,11 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     int dev = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     const int sms = fq_rec_sm_count(dev);
-    /* 4 warps per block unless that leaves SMs without two blocks (N = 1,
-     * HV = 32: 512 one-warp blocks); V / 8 is 8 or 16, so items is a
-     * multiple of every choice */
+    /* blocks of 4 warps (32 columns: [K, V] rows read 128 bytes at a time)
+     * unless that leaves SMs without a block (N = 1, HV = 32: 256 blocks of
+     * 2 warps); V / 8 is 8 or 16, so items is a multiple of every choice */
     int nw = 4;
-    while (nw > 1 && items / nw < 2 * (int64_t)sms) nw /= 2;
+    while (nw > 1 && items / nw < (int64_t)sms) nw /= 2;
     /* T = 1 (without cu_seqlens, the decode step): one token per stage;
      * otherwise groups of 4 */
     const int one = !p->cu_seqlens && p->T <= 1;
