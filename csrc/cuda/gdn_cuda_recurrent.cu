@@ -387,9 +387,12 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
         fq_rec_tok_copy<K, NPF, ES>(fq_rec_smem, a, cur.bos, min(NPF, cur.len), cur.hq, cur.j, 8 * nw * cur.grp, nw, tid);
     }
     fq_cp_async_commit();
-    fq_rec_gates<NPF> gc;
-    fq_rec_gates_load<NPF>(gc, a, cur, 0);
-    int dup = fq_rec_is_dup(a, cur, lane);
+    fq_rec_gates<NPF> gc = {};
+    int dup = 0;
+    if (w0 < items) { /* (always so: the grid is at most the block items) */
+        fq_rec_gates_load<NPF>(gc, a, cur, 0);
+        dup = fq_rec_is_dup(a, cur, lane);
+    }
 
     int b = 0;
     for (int it = w0; it < items; it += G, b ^= 1) {
