@@ -191,6 +191,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
     dtype = getattr(torch, a.dtype or ("bfloat16" if cuda else "float32"))
+    import flashqla._torch  # noqa: F401  (registers torch.ops.flashqla.*; binds flashqla here)
     if cuda and not (torch.cuda.is_available() and flashqla.cuda_available()):
         print("bench_host_overhead: no CUDA device or flashqla built without CUDA", file=sys.stderr)
         return 2
@@ -198,7 +199,6 @@ def main(argv=None):
     calls = a.calls or (200 if cuda else 2000)
     repeats = a.repeats or (15 if cuda else 7)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    import flashqla._torch  # noqa: F401  (registers torch.ops.flashqla.*)
     sizes = [(f"N={N}", N, a.H, a.HV, a.dim, a.dim) for N in Ns]
     if not cuda:
         sizes.append(("tiny", 1, 1, 1, 16, 16))
