@@ -238,19 +238,10 @@ def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Ar
     state_layout="vk": the pool and intermediate_states are [.., V, K].
     Fused gates as in gdn_chunk."""
     if _all_torch_tensors(q, k, v, g, beta, state):  # the decode hot path: straight to torch
-        # (positional: ~0.5 us less than through _torch.gdn_recurrent's keywords)
-        if cu_seqlens is None and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel:
-            o = _torch_front().recurrent_hot(q, k, v, g, beta, state, state_indices, scale,
-                                             use_qk_l2norm, intermediate_states, update_state,
-                                             state_layout)
-            if o is not None:
-                return o
-        return _torch_front().gdn_recurrent(
-            q, k, v, g, beta, state, state_indices=state_indices, scale=scale,
-            cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-            intermediate_states=intermediate_states, update_state=update_state,
-            state_layout=state_layout, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+        return _torch_front().recurrent_call(
+            q, k, v, g, beta, state, state_indices, scale, cu_seqlens, use_qk_l2norm,
+            intermediate_states, update_state, state_layout, use_gate_in_kernel, A_log, dt_bias,
+            use_beta_sigmoid_in_kernel)
     check_layout(state_layout)
     (q, k, v, g, beta, state, state_indices, cu_seqlens, intermediate_states, A_log,
      dt_bias) = public_arrays(
@@ -265,12 +256,10 @@ def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Ar
         raise TypeError("state: JAX arrays cannot be updated in place; use "
                         "flashqla.jax.gdn_recurrent, which returns (o, new_state)")
     if fw is TORCH:  # torch.ops.flashqla.recurrent
-        return _torch_front().gdn_recurrent(
-            q, k, v, g, beta, state, state_indices=state_indices, scale=scale,
-            cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-            intermediate_states=intermediate_states, update_state=update_state,
-            state_layout=state_layout, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+        return _torch_front().recurrent_call(
+            q, k, v, g, beta, state, state_indices, scale, cu_seqlens, use_qk_l2norm,
+            intermediate_states, update_state, state_layout, use_gate_in_kernel, A_log, dt_bias,
+            use_beta_sigmoid_in_kernel)
     dims = "[P, HV, K, V]" if state_layout == "kv" else "[P, HV, V, K]"
     check_ndim(state, "state", 4, dims)
     check_ndim(intermediate_states, "intermediate_states", 5,
