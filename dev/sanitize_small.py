@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Tiny flashqla CUDA run for compute-sanitizer (memcheck, racecheck): forward, backward and
-recurrent step, K = V = 64 and 128, T = 130, 2 value heads, checked against the float64
-token-by-token reference (flashqla/reference.py) with the project's tolerances (bf16 row).
+recurrent step, K = V = 64 and 128, T = 130, 2 value heads (and a recurrent step of 24
+sequences x 32 value heads, where each block of the kernel takes several items), checked
+against the float64 token-by-token reference (flashqla/reference.py) with the project's
+tolerances (bf16 row).
 
     compute-sanitizer --tool memcheck  --error-exitcode 86 python3 dev/sanitize_small.py
     compute-sanitizer --tool racecheck --error-exitcode 86 python3 dev/sanitize_small.py --quick

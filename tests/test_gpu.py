@@ -171,7 +171,7 @@ def test_cuda_graph_capture_replays_forward_and_backward():
         assert_close(f"{name} (replay, new inputs)", got, ref[name], gpu_tol(name))
 
 
-@pytest.mark.parametrize("T", [1, 4, 100])  # 100: past the staged ring and a gate window
+@pytest.mark.parametrize("T", [1, 4, 100])  # 100: 25 groups of 4 tokens through one stage
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_recurrent_matches_cpu_and_reference(T, index_dtype, dtype):

@@ -271,11 +271,11 @@ def test_cuda_recurrent_matches_reference(N, T, Kk, Vv, layout):
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("T", [1, 4])
-def test_cuda_recurrent_many_items_per_warp(layout, T):
-    """Enough (sequence, value head, 8-column) items that every resident warp
-    of the persistent kernel takes several, each prefetched while the one
-    before is computed: 80 sequences x 32 value heads x 16 column blocks, a
-    shuffled pool with repeated padding (-1), the verify path at T = 4."""
+def test_cuda_recurrent_many_items_per_block(layout, T):
+    """Enough items that every resident block of the persistent kernel takes
+    several, each prefetched while the one before is computed: 80 sequences x
+    32 value heads x 4 blocks of 32 columns, a shuffled pool with repeated
+    padding (-1), the verify path at T = 4."""
     N, Hh, HVv = 80, 16, 32
     inp, (q, k, v) = _rec_inputs(N, T, Hh, HVv, K, V, seed=500 + T, dtype=torch.bfloat16)
     g, beta = _t(inp["g"]), _t(inp["beta"])

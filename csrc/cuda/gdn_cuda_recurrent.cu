@@ -73,11 +73,6 @@ struct fq_rec_args {
     float scale;
 };
 
-static __device__ __forceinline__ int64_t fq_rec_index(const void *p, int is64, int64_t i)
-{
-    return is64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
-}
-
 /* One element of a gate array through the read-only path, as float. */
 static __device__ __forceinline__ float fq_ldg_f(const void *p, fq_dtype dt, int64_t i)
 {
@@ -118,14 +113,14 @@ static __device__ __forceinline__ int fq_rec_phys(int s, int row)
     return VK ? s : s ^ ((row >> 2) & 7);
 }
 
-/* The lane's state entries. Lane l = 16 cg + rg holds columns c0 .. c0 + 3
- * (c0 = 8 vw + 4 cg) of the rows
+/* The lane's state entries. Lane l = 16 cg + rg of warp w holds columns
+ * c0 .. c0 + 3 (c0 = 8 NW grp + 8 w + 4 cg) of the rows
  *     row(i) = 64 (i / 4) + 4 rg + (i % 4),   i = 0 .. RK - 1,
  * as S[i][e] (e: the column). Its RK float4 in memory: [K, V] (kv) float4 f is
  * row(f), columns c0 .. c0 + 3; [V, K] (vk) float4 f is column c0 + f / (K/64),
- * rows 64 (f % (K/64)) + 4 rg .. + 3. Either way a warp's load of one float4
- * number covers whole 32-byte sectors (kv: 16 rows x 32 bytes; vk: 2 columns x
- * 256 contiguous bytes). */
+ * rows 64 (f % (K/64)) + 4 rg .. + 3. Either way a warp's store of one float4
+ * number (fq_rec_tile_store) covers whole 32-byte sectors (kv: 16 rows x 32
+ * bytes; vk: 2 columns x 256 contiguous bytes). */
 template <int K, int VK>
 static __device__ __forceinline__ int fq_rec_f4_offset(int f, int V)
 {
@@ -266,10 +261,10 @@ static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq
     if (it >= items) return;
     const int n = it / (ngrp * a.HV);
     if (a.cu) {
-        d.c0raw = fq_rec_index(a.cu, a.cu_is64, n);
-        d.c1raw = fq_rec_index(a.cu, a.cu_is64, n + 1);
+        d.c0raw = fq_ld_index(a.cu, a.cu_is64, n);
+        d.c1raw = fq_ld_index(a.cu, a.cu_is64, n + 1);
     }
-    d.slotraw = a.idx ? fq_rec_index(a.idx, a.idx_is64, n) : n;
+    d.slotraw = a.idx ? fq_ld_index(a.idx, a.idx_is64, n) : n;
 }
 
 /* Resolved: bounds clamped to [0, T] (invalid offsets never read out of
@@ -307,7 +302,7 @@ static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item 
 /* The raw gates of an item's first NPF tokens (and its fused-gate
  * parameters), loaded one item ahead through the read-only path. */
 template <int NPF> struct fq_rec_gates {
-    float g[NPF], b[NPF], Aexp, dtb;
+    float g[NPF], b[NPF], A_log, dtb;
 };
 
 template <int NPF>
@@ -321,7 +316,7 @@ static __device__ __forceinline__ void fq_rec_gates_load(fq_rec_gates<NPF> &x, c
         x.g[i] = ok ? fq_ldg_f(a.g, a.gate_dtype, gi) : 0.f;
         x.b[i] = ok ? fq_ldg_f(a.beta, a.gate_dtype, gi) : 0.f;
     }
-    x.Aexp = a.A_log ? __ldg(a.A_log + w.j) : 0.f;
+    x.A_log = a.A_log ? __ldg(a.A_log + w.j) : 0.f;
     x.dtb = a.dt_bias ? __ldg(a.dt_bias + w.j) : 0.f;
 }
 
@@ -332,7 +327,7 @@ static __device__ __forceinline__ int fq_rec_is_dup(const fq_rec_args &a, const 
     if (!a.idx || !w.has_state) return 0;
     int dup = 0;
 #pragma unroll 4
-    for (int m = lane; m < w.n; m += 32) dup |= fq_rec_index(a.idx, a.idx_is64, m) == (int64_t)w.slot;
+    for (int m = lane; m < w.n; m += 32) dup |= fq_ld_index(a.idx, a.idx_is64, m) == (int64_t)w.slot;
     return __any_sync(0xffffffffu, dup);
 }
 
@@ -343,12 +338,8 @@ static __device__ __forceinline__ int fq_rec_is_dup(const fq_rec_args &a, const 
  * T = 1: 5 (96 registers, no spill; 34 KB of stages per block at bf16);
  * groups of 4 tokens: 4 (128 registers, no spill; 37 KB of stages at bf16,
  * 41 KB at fp32). */
-template <int K, int NPF> struct fq_rec_minb {
-    static constexpr int value = NPF == 1 ? 5 : 4;
-};
-
 template <int K, int NPF, int ES, int VK>
-__global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurrent_kernel(fq_rec_args a)
+__global__ void __launch_bounds__(128, (NPF == 1 ? 5 : 4)) fq_recurrent_kernel(fq_rec_args a)
 {
     typedef fq_rec_stage<K, NPF, ES> SG;
     constexpr int RK = K / 16;
@@ -380,19 +371,17 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
     fq_rec_item_load(dn, a, w0, items, ngrp);
     fq_rec_where cur = fq_rec_resolve(dn, a, ngrp);
     fq_rec_item_load(dn, a, w0 + G, items, ngrp);
-    if (w0 < items) {
+    fq_rec_gates<NPF> gc = {};
+    int dup = 0;
+    if (w0 < items) { /* (always so: the grid is at most the block items) */
         if (cur.has_state)
             fq_rec_tile_copy<K, VK>(fq_rec_smem, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), 8 * nw * cur.grp,
                                     lw, V, tid);
         fq_rec_tok_copy<K, NPF, ES>(fq_rec_smem, a, cur.bos, min(NPF, cur.len), cur.hq, cur.j, 8 * nw * cur.grp, nw, tid);
-    }
-    fq_cp_async_commit();
-    fq_rec_gates<NPF> gc = {};
-    int dup = 0;
-    if (w0 < items) { /* (always so: the grid is at most the block items) */
         fq_rec_gates_load<NPF>(gc, a, cur, 0);
         dup = fq_rec_is_dup(a, cur, lane);
     }
+    fq_cp_async_commit();
 
     int b = 0;
     for (int it = w0; it < items; it += G, b ^= 1) {
@@ -465,7 +454,7 @@ __global__ void __launch_bounds__(128, (fq_rec_minb<K, NPF>::value)) fq_recurren
                     float g = gc.g[i];
                     if (a.A_log) {
                         const float xg = g + gc.dtb;
-                        g = -__expf(gc.Aexp) * (xg > 20.f ? xg : log1pf(__expf(xg)));
+                        g = -__expf(gc.A_log) * (xg > 20.f ? xg : log1pf(__expf(xg)));
                     }
                     const float bt = a.beta_sigmoid ? 1.f / (1.f + __expf(-gc.b[i])) : gc.b[i];
 
@@ -535,10 +524,10 @@ __global__ void fq_rec_validate_kernel(const void *cu, int is64, int64_t N, int6
     if (threadIdx.x == 0) bad = 0;
     __syncthreads();
     for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
-        int64_t c = fq_rec_index(cu, is64, i);
+        int64_t c = fq_ld_index(cu, is64, i);
         int b = c < 0 || c > T || (i == 0 && c != 0) || (i == N && c != T);
         if (i > 0) {
-            const int64_t prev = fq_rec_index(cu, is64, i - 1);
+            const int64_t prev = fq_ld_index(cu, is64, i - 1);
             if (c < prev || (Ti > 0 && c - prev > Ti)) b = 1;
         }
         if (b) atomicOr(&bad, 1);

@@ -947,7 +947,7 @@ int main(int argc, char **argv)
         check_recurrent("N=5 T=3 K=V=64 l2norm GVA 4", 5, 3, 2, 8, 64, 64, 0, 1, FQ_BF16, 0);
         check_recurrent("N=5 T=2 K=128 V=64 fp32", 5, 2, 2, 4, 128, 64, 0, 0, FQ_F32, 0);
         check_recurrent("varlen N=7 (lengths 0,2,4,1,3,5,2) fp16", 7, 5, 4, 8, 128, 128, 1, 0, FQ_F16, 0);
-        /* past the staged ring (8 tokens) and the 64-token gate windows */
+        /* many groups of 4 tokens, each copied into the stage and waited for */
         check_recurrent("N=3 T=150 H=2 HV=4 K=V=128 bf16", 3, 150, 2, 4, 128, 128, 0, 0, FQ_BF16, 0);
         check_recurrent("N=2 T=70 K=V=64 fp32 l2norm", 2, 70, 2, 4, 64, 64, 0, 1, FQ_F32, 0);
     }
