@@ -24,6 +24,9 @@ Every test here is marked `gpu` (skipped without a CUDA device or without
 the CUDA build, see conftest.py). Tolerances: the bf16 budget of DESIGN §3.
 """
 
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -168,28 +171,151 @@ def test_cuda_nan_does_not_reach_earlier_chunks(field):
 
 
 def _fused_forward_runs():
-    """The fused forward (sm_90a) runs on compute capability 9.0; elsewhere the
-    three-stage fallback does."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    """The fused forward (sm_90a) runs on compute capability 9.0 (unless the
+    PTX fallback is forced); elsewhere the three-stage fallback does."""
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and os.environ.get("CUDA_FORCE_PTX_JIT") != "1")
 
 
-@pytest.mark.xfail(not _fused_forward_runs(), strict=True, reason=(
-    "known limit of the three-stage CUDA forward, the fallback off sm_90a (issue 9): its "
-    "tensor-core products over a chunk (stage A: A diag(b) V, A diag(b e^g) K; stage C: "
-    "lower(Q K^T o Gamma) Vn) multiply the structural zeros above the diagonal by the NaN "
-    "rows of later tokens, so a NaN reaches earlier outputs of its own 64-token chunk. The "
-    "fused forward zeroes the rows from a chunk's first non-finite k, g, beta or v on and "
-    "poisons what depends on them instead."))
 @pytest.mark.parametrize("field", ["v", "k", "beta", "g"])
 def test_cuda_nan_does_not_reach_earlier_tokens_of_its_chunk(field):
+    """Causality inside a 64-token chunk (issue 9), on whichever forward runs
+    here (the fused one on sm_90a; the three-stage one elsewhere and in
+    test_cuda_causality_on_the_three_stage_forward's subprocess)."""
     o, ht, ref = _forward_with_nan(field)
     tok = NAN_TOKEN
-    assert np.isfinite(o[0, :tok]).all()
+    assert np.isfinite(o[0, :tok]).all(), (
+        f"o: NaN/Inf before the NaN token {tok} (first at token "
+        f"{int(np.argwhere(~np.isfinite(o[0, :tok]))[0][0])})")
     assert rel_error(o[0, :tok], ref[0, :tok]) <= TOL_BF16_OUT
     # nothing silently wrong after it: value head 0's o from the token on and its
     # final state hold NaN (v: in the columns of the NaN's block of 64)
-    assert np.isnan(o[0, tok:, 0]).any(axis=-1).all()
-    assert np.isnan(ht[0, 0]).any()
+    assert np.isnan(o[0, tok:, 0]).any(axis=-1).all(), "o: a finite row of value head 0 after the NaN"
+    assert np.isnan(ht[0, 0]).any(), "final state of value head 0: finite after a NaN token"
+
+
+# ---- backward causality (issue 9): the gradients follow the reference's NaN
+# pattern. The float64 token-by-token reference (flashqla.reference) has no
+# structural zeros to multiply, so where it is finite the CUDA gradient must be
+# finite and within the bf16 budget. Its pattern for one NaN at token t of value
+# head 0 (loss sum(o * do), do and dht nonzero):
+#   k, beta, g: dS before t is NaN (it sees k_t, beta_t, alpha_t), so of the
+#               earlier tokens only dq (= scale S_s do_s) is finite; checked:
+#               every gradient of the tokens before t. (The reference's dv of
+#               the later tokens, and dbeta_t for a NaN beta_t, are finite too:
+#               not done, see benchmarks/NOTES.md, issue 9 helper nancuda.)
+#   v:          dS never depends on v: dv everywhere, dh0, every gradient of the
+#               earlier chunks, and dq, dk, dbeta before t, dg up to t are
+#               finite; checked: every gradient, everywhere.
+# dev/cuda/sim_causality_bwd.py simulates the kernels' selects in float64.
+BWD_CASES = [("v", "all"), ("k", "all"), ("beta", "all"), ("g", "all"), ("v", "do0")]
+
+
+def _backward_with_nan(field, do_mode):
+    """(CUDA gradients, reference gradients) of one sequence of 200 tokens (H = 1,
+    HV = 2, K = V = 128, bf16), a NaN in `field` at token NAN_TOKEN (in chunk 2,
+    row 22) of value head 0 (k: of the one q/k head); do_mode "do0": do zero
+    from the token on."""
+    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4, dht=True)
+    if field in ("v", "k"):
+        inp[field][0, NAN_TOKEN, 0, 1] = np.nan
+    else:
+        inp[field][0, NAN_TOKEN, 0] = np.nan
+    if do_mode == "do0":
+        inp["do"][0, NAN_TOKEN:] = 0.0
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    out = _run_c(t)
+    return out, _reference(t)
+
+
+def _assert_finite_where_reference(name, x, r):
+    fin = np.isfinite(r)
+    leak = fin & ~np.isfinite(x)
+    assert not leak.any(), (f"{name}: {int(leak.sum())} NaN/Inf where the reference is finite "
+                            f"(first at {np.argwhere(leak)[0].tolist()})")
+    err = rel_error(np.where(fin, x, 0.0), np.where(fin, r, 0.0))
+    assert err <= gpu_tol(name), f"{name}: rel error {err:.3e} > {gpu_tol(name):.1e} on the finite entries"
+
+
+@pytest.mark.parametrize("field,do_mode", BWD_CASES, ids=[f"{f}-{m}" for f, m in BWD_CASES])
+def test_cuda_backward_nan_follows_the_reference_pattern(field, do_mode):
+    out, ref = _backward_with_nan(field, do_mode)
+    tok = NAN_TOKEN
+    # the reference pattern this test relies on (so that it cannot pass vacuously)
+    assert np.isfinite(ref["dq"][0, :tok]).all(), "reference dq before the NaN token is not finite"
+    if field == "v":
+        for n in ("dv", "dh0"):
+            assert np.isfinite(ref[n]).all(), f"reference {n} is not finite for a NaN in v"
+        for n in ("dk", "dbeta"):
+            assert np.isfinite(ref[n][0, :tok]).all(), f"reference {n} before the token is not finite"
+        assert np.isfinite(ref["dg"][0, :tok + 1]).all(), "reference dg up to the token is not finite"
+        for n in GRAD_NAMES:
+            _assert_finite_where_reference(n, out[n], ref[n])
+    else:
+        for n in ("dq", "dk", "dv", "dg", "dbeta"):   # [B, T, ...]: the tokens before t
+            _assert_finite_where_reference(n, out[n][:, :tok], ref[n][:, :tok])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not done (issue 9): a NaN in the upstream gradient do at token t should reach only "
+    "the gradients of tokens <= t (and dq of t), but bwd_local's dv_local = scale P^T dO "
+    "multiplies the structural zeros of P (above the diagonal) by dO's NaN row, so the "
+    "gradients of the later tokens of its chunk go NaN; the fix mirrors the forward's: "
+    "the chunk's last non-finite row of dO, selects before the products"))
+def test_cuda_backward_nan_in_do_reaches_only_earlier_tokens():
+    inp = make_inputs(1, 200, 1, 2, 128, 128, seed=4, dht=True)
+    inp["do"][0, NAN_TOKEN, 0, 1] = np.nan
+    t = cast_inputs_torch(inp, "bfloat16", device="cuda")
+    out, ref = _run_c(t), _reference(t)
+    assert np.isfinite(ref["dv"][0, NAN_TOKEN + 1:]).all()
+    for n in GRAD_NAMES:
+        if ref.get(n) is not None:
+            _assert_finite_where_reference(n, out[n], ref[n])
+
+
+def _fwd_workspace_bytes():
+    return _C.workspace_bytes("fwd", 1, 200, 1, 2, 128, 128, 1, "bfloat16")
+
+
+def test_cuda_forward_path_under_ptx_jit():
+    """Run only inside test_cuda_causality_on_the_three_stage_forward's
+    subprocess: the forward there really is the three-stage one (its workspace
+    differs from the fused forward's, measured by the parent)."""
+    fused = os.environ.get("FLASHQLA_TEST_FUSED_FWD_WS")
+    if fused is None:
+        pytest.skip("runs in the CUDA_FORCE_PTX_JIT=1 subprocess only")
+    assert _fwd_workspace_bytes() != int(fused), (
+        "CUDA_FORCE_PTX_JIT=1 did not switch the forward to the three-stage fallback")
+
+
+def test_cuda_causality_on_the_three_stage_forward():
+    """The causality tests above again with the compute_80 PTX JIT-compiled
+    (CUDA_FORCE_PTX_JIT=1): fq_cuda_fwd_fused_available() then says no and the
+    three-stage forward (blocked stage A, stage B, stage C) runs, as off sm_90a.
+    In a subprocess (the JIT is process-wide); the first JIT of the module's
+    kernels takes minutes, later runs hit the driver's cache."""
+    if os.environ.get("CUDA_FORCE_PTX_JIT") == "1":
+        pytest.skip("already inside the subprocess")
+    env = dict(os.environ, CUDA_FORCE_PTX_JIT="1")
+    if _fused_forward_runs():
+        env["FLASHQLA_TEST_FUSED_FWD_WS"] = str(_fwd_workspace_bytes())
+    sel = ("test_cuda_nan_does_not_reach_earlier_tokens_of_its_chunk or "
+           "test_cuda_nan_does_not_reach_earlier_chunks or "
+           "test_cuda_backward_nan_follows_the_reference_pattern or "
+           "test_cuda_forward_path_under_ptx_jit")
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", sel,
+                            os.path.abspath(__file__)], env=env, cwd=os.path.dirname(os.path.abspath(__file__)),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=480)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+        pytest.fail(f"CUDA_FORCE_PTX_JIT=1 subprocess ran past 480 s (the JIT?):\n{out[-4000:]}")
+    tail = r.stdout[-6000:]
+    assert r.returncode == 0, f"three-stage forward (CUDA_FORCE_PTX_JIT=1) failed:\n{tail}"
+    summary = tail.strip().splitlines()[-1]
+    assert "passed" in summary, tail
+    if _fused_forward_runs():   # then the path check ran, and nothing was skipped
+        assert "skipped" not in summary, f"a test was skipped in the subprocess:\n{tail}"
 
 
 def _reset(g, kind):

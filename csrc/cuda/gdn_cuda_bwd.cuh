@@ -28,6 +28,38 @@ static __device__ __forceinline__ void fq_async_rows(fq_bf16 *dst, int ld, const
     }
 }
 
+/* Causality inside a chunk (issue 9): the non-finite elements of a rows x D
+ * bf16 tile loaded by fq_async_rows<D> set to zero (a select; rare: a piece
+ * is rewritten only when it holds one). Each thread touches only the
+ * 16-byte pieces it copied (or scaled, fq_scale_rows: the same pieces)
+ * itself, so it runs right after the thread's cp.async wait, before the
+ * barrier that publishes the tile. bf16 x is not finite iff its exponent
+ * bits (0x7f80) are all ones. */
+template <int D>
+static __device__ __forceinline__ void fq_finite_rows(fq_bf16 *t, int ld, int rows)
+{
+    for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
+        const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+        uint4 *pp = (uint4 *)(t + r * ld + c);
+        uint4 x = *pp;
+        uint32_t *xs = (uint32_t *)&x, b = 0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint32_t y = (xs[q] & 0x7f807f80u) ^ 0x7f807f80u; /* a half is 0 iff not finite */
+            b |= (y - 0x00010001u) & 0x80008000u;                  /* bit 15 / 31: that half is 0 */
+        }
+        if (b) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const uint32_t y = xs[q] & 0x7f807f80u;
+                xs[q] &= ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) &
+                         ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
+            }
+            *pp = x;
+        }
+    }
+}
+
 /* In place: row r of a 64 x D bf16 tile times rs[r]. */
 template <int D>
 static __device__ __forceinline__ void fq_scale_rows(fq_bf16 *t, int ld, const float *rs)

@@ -229,6 +229,12 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
         fq_async_rows<V>(sV, SM::LDV, a.vb + ((int64_t)ci.row0 * HV + j) * V, (int64_t)HV * V, 64, len);
         fq_cp_async_commit();
         fq_cp_async_wait<0>();
+        /* causality (issue 9): V's non-finite elements to zero (this thread's
+         * own pieces), so that dA = ... + dVn V^T diag(b) has no NaN column
+         * for A^T dA A^T to spread over the structural zeros of A: the
+         * columns c < t of dA (and so dL, dk, dbeta of the rows before a
+         * NaN v_t, and dg up to t) stay exact */
+        fq_finite_rows<V>(sV, SM::LDV, 64);
         __syncthreads();
 
         /* F2 = A^T dW:  dK += diag(b e^g) F2;  xw = rowsum(F2 ⊙ K): db += e^g xw, dgamma += b e^g xw */
@@ -645,10 +651,16 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
         } else {
             fq_cp_async_wait<0>();
         }
+        /* causality (issue 9): K's non-finite elements to zero, so that dQ's
+         * dP K never multiplies a structural zero of dP (above the diagonal)
+         * by a NaN of a later token (this thread's own pieces; after the
+         * scaling with use_qk_l2norm, whose rk of a NaN row is NaN) */
+        if (jj == 0 && !a.rq) fq_finite_rows<K>(sK, SM::LDK, 64);
         __syncthreads();
         if (jj == 0 && a.rq) {
             fq_scale_rows<K>(sQ, SM::LDK, srq);
             fq_scale_rows<K>(sK, SM::LDK, srk);
+            fq_finite_rows<K>(sK, SM::LDK, 64);
             __syncthreads();
         }
 
@@ -671,11 +683,12 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
 #pragma unroll
                     for (int e2 = 0; e2 < 2; e2++) {
                         const int s = wc + 8 * jn + 2 * t + e2;
-                        const float Gm = r >= s ? __expf(sg[r] - sg[s]) : 0.f;
+                        /* lower_incl by selects (causality: never 0 * a non-finite value) */
+                        const float Gm = __expf(sg[r] - sg[s]);
                         const float x = qk[jn][2 * h + e2];
-                        pv[e2] = x * Gm;
-                        dpv[e2] = a.scale * dv[jn][2 * h + e2] * Gm;
-                        const float z = dpv[e2] * x;
+                        pv[e2] = r >= s ? x * Gm : 0.f;
+                        dpv[e2] = r >= s ? a.scale * dv[jn][2 * h + e2] * Gm : 0.f;
+                        const float z = r >= s ? dpv[e2] * x : 0.f;
                         rz[h] += z;
                         cz[jn][e2] += z;
                     }

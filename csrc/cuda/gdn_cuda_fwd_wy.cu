@@ -20,6 +20,31 @@
  * With use_qk_l2norm, k = rk * k_raw: K K^T picks up rk_r rk_s, W picks up rk_r.
  * Padding rows of a short last chunk load as zeros (g = beta = 0), so W, U,
  * kdecay are zero there and gamma stays at gamma_{len-1}.
+ *
+ * Causality inside a chunk (issue 9), blocked and persistent kernels: the
+ * products over the chunk (A diag(fw) K, A diag(beta) V) multiply the
+ * structural zeros of A (above the diagonal) by the rows of later tokens, so
+ * a NaN row would reach every row (0 * NaN = NaN). Hence
+ *   fl = the first row whose L entries c <= r are not all finite (a
+ *        non-finite k_r, g_r, beta_r, rk_r shows on row r, the diagonal
+ *        included; 64: none), from L's own entries (fq_wy_lower), whose
+ *        non-finite entries are zeroed by a select: A stays finite and its
+ *        rows r < fl, which hold none, are exact;
+ *   fv = the first row of the V tile holding a non-finite value (each thread
+ *        scans the 16-byte pieces it loaded itself, after its cp.async wait:
+ *        no new barrier), f = min(fl, fv);
+ *   rare path (f < 64, block-uniform, one barrier): K rows >= fl and
+ *        fw_c (c >= fl) zeroed, V rows >= f and beta_c (c >= f) zeroed, so
+ *        W rows < fl and U rows < f come out exact (row r only needs the
+ *        columns c <= r) and every row is finite (W rows >= fl, U rows >= f:
+ *        finite values of no meaning);
+ *   args.poison (the three-stage forward only): gamma_r = NaN for r >= f in
+ *        the stored gamma, so stage B's e^{gamma_C} turns the state after the
+ *        chunk into NaN and stage C's row factors e^{gamma_r} make o NaN from
+ *        row f on; stage C's lower(Q K^T ⊙ Gamma) is a select, and Vn (from
+ *        the finite U, W and chunk-start state) is finite, so o rows < f are
+ *        exact. The backward's recompute keeps gamma (its rows >= f hold what
+ *        the backward needs, see gdn_cuda_bwd_fused.cu).
  */
 #include "gdn_cuda_common.cuh"
 
@@ -34,6 +59,10 @@ struct fq_wy_args {
     fq_bf16 *w, *u, *a;
     float *rec;  /* fq_fwd_inverse_kernel: the gate record (FQ_REC_*)            */
     float scale; /* fq_fwd_inverse_kernel: o's scale, for the record           */
+    int poison;  /* blocked / persistent: gamma of the rows from a chunk's first
+                    non-finite row on stored as NaN (the three-stage forward:
+                    stage B's e^{gamma_C} and stage C's row factors then carry
+                    the NaN; the backward's recompute keeps gamma as it is) */
 };
 
 /* ------------------------------------------------------------- blocked ----
@@ -69,7 +98,8 @@ template <int K, int V> struct fq_wy_blocked_smem {
     static constexpr int off_v = off_l;
     static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
     static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
-    static constexpr int bytes = off_vec + 4 * 64 * 4;
+    static constexpr int off_f = off_vec + 4 * 64 * 4; /* fl, fv (causality, the header) */
+    static constexpr int bytes = off_f + 16;
     static_assert(64 * LDV * 2 <= 64 * FQ_WY_LDF * 4, "V tile must fit in L's place");
 };
 
@@ -185,15 +215,20 @@ static __device__ __forceinline__ void fq_kkt_block_row(float (*acc)[4], const f
  * row stride FQ_WY_LDF in shared memory):
  * L = strict_lower(diag(beta) (K K^T ⊙ Gamma)), scaled by the inverse key norms
  * rk: warp w writes rows 16w..16w+15, column blocks 0..w (the blocks above stay
- * unwritten: the callers use them as scratch). */
+ * unwritten: the callers use them as scratch).
+ * Causality (the header): an entry c <= r (the diagonal included, computed
+ * only for this test) that is not finite marks row r bad (atomicMin of r into
+ * *sfl, rare; read after the caller's next barrier) and is stored as zero
+ * (a select), so L stays finite. */
 template <int K, int LDK>
 static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf, const float *gam,
                                                    const float *bet, const float *rkv, int warp, int gq,
-                                                   int tq)
+                                                   int tq, int *sfl)
 {
     constexpr int LDF = FQ_WY_LDF;
     float acc[8][4];
     fq_kkt_block_row<K, LDK>(acc, Ks, warp);
+    int bad[2] = {0, 0};
 #pragma unroll
     for (int n = 0; n < 8; n++) {
         if ((n >> 1) > warp) continue;
@@ -201,12 +236,58 @@ static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf,
         for (int hr = 0; hr < 2; hr++) {
             int r = 16 * warp + gq + 8 * hr, c = 8 * n + 2 * tq;
             float fr = bet[r] * rkv[r];
+            const float x0 = fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr];
+            const float x1 = fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1];
+            const int f0 = isfinite(x0), f1 = isfinite(x1);
+            bad[hr] |= (c <= r && !f0) | (c + 1 <= r && !f1);
             float2 x;
-            x.x = (c < r) ? fr * rkv[c] * __expf(gam[r] - gam[c]) * acc[n][2 * hr] : 0.f;
-            x.y = (c + 1 < r) ? fr * rkv[c + 1] * __expf(gam[r] - gam[c + 1]) * acc[n][2 * hr + 1] : 0.f;
+            x.x = (c < r && f0) ? x0 : 0.f;
+            x.y = (c + 1 < r && f1) ? x1 : 0.f;
             *(float2 *)(Lf + r * LDF + c) = x;
         }
     }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++)
+        if (bad[hr]) atomicMin(sfl, 16 * warp + gq + 8 * hr);
+}
+
+/* Causality (the header): the first row of a [64][LD] bf16 tile loaded by
+ * fq_wy_load_rows<NC, LD> holding a non-finite value, atomicMin'ed into *sf
+ * (rare). Each thread reads only the 16-byte pieces it copied itself, so it
+ * runs right after the thread's cp.async wait, before the barrier that
+ * publishes the tile; *sf is read after that barrier. bf16 x is not finite
+ * iff its exponent bits (0x7f80) are all ones. */
+template <int NC, int LD>
+static __device__ __forceinline__ void fq_wy_scan_rows(const fq_bf16 *tile, int tid, int *sf)
+{
+    for (int idx = tid; idx < 64 * (NC / 8); idx += 128) {
+        int r = idx / (NC / 8), c = (idx % (NC / 8)) * 8;
+        const uint4 x = *(const uint4 *)(tile + r * LD + c);
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+        uint32_t b = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const uint32_t y = (w[e] & 0x7f807f80u) ^ 0x7f807f80u; /* a half is 0 iff it is not finite */
+            b |= (y - 0x00010001u) & 0x80008000u;                 /* bit 15 / 31 set iff that half is 0 */
+        }
+        if (b) atomicMin(sf, r);
+    }
+}
+
+/* Causality, the rare paths (block-uniform; the caller puts a barrier
+ * after each): rows >= fl of the K tile and fw_c for c >= fl (before W), rows
+ * >= f of the V tile and beta_c for c >= f (before U), to zero (selects by
+ * index, no multiplication), so that W = (A diag(fw)) K and
+ * U = (A diag(beta)) V never meet a non-finite value (A is finite): rows
+ * < fl of W and < f of U exact, every row finite. */
+template <int NC, int LD>
+static __device__ __forceinline__ void fq_wy_cut(fq_bf16 *tile, float *colf, int from, int tid)
+{
+    for (int idx = tid; idx < 64 * (NC / 8); idx += 128) {
+        int r = idx / (NC / 8), c = (idx % (NC / 8)) * 8;
+        if (r >= from) *(uint4 *)(tile + r * LD + c) = make_uint4(0, 0, 0, 0);
+    }
+    if (tid < 64 && tid >= from) colf[tid] = 0.f;
 }
 
 /* One warp: the gates g, beta and inverse key norms rk of the chunk's tokens
@@ -280,9 +361,10 @@ static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float
 
 /* The end of one item (tile = (chunk * HV + j) * 64, 128 threads): the bf16 A
  * for the backward when args.a is set, zeros above the diagonal (those
- * blocks of Af were never written), and gamma, kdecay for stage B. */
+ * blocks of Af were never written), and gamma, kdecay for stage B; with
+ * args.poison, gamma_r = NaN for r >= f (causality, the header). */
 static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64_t tile, const float *Af,
-                                                   const float *gam, const float *rkv, int len, int tid)
+                                                   const float *gam, const float *rkv, int len, int f, int tid)
 {
     constexpr int LDF = FQ_WY_LDF;
     if (args.a) {
@@ -299,7 +381,7 @@ static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64
         }
     }
     if (tid < 64) {
-        args.gamma[tile + tid] = gam[tid];
+        args.gamma[tile + tid] = args.poison && tid >= f ? __int_as_float(0x7fc00000) : gam[tid];
         args.kdecay[tile + tid] = tid < len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
     }
 }
@@ -330,6 +412,8 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args ar
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
 
+    int *sf = (int *)(smem + SM::off_f); /* fl, fv (causality, the header) */
+    if (tid == 0) sf[0] = sf[1] = 64;   /* read after the barriers below */
     fq_wy_load_rows<K, SM::LDK>(Ks, args.kb, args.H, hq, ci, tid);
     auto load_v = [&]() { fq_wy_load_rows<V, SM::LDV>(Vs, args.vb, HV, j, ci, tid); };
     fq_cp_async_commit(); /* K only: V comes once L is dead */
@@ -356,7 +440,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args ar
     __syncthreads();
 
     /* L = strict_lower(diag(beta) (K K^T ⊙ Gamma)) */
-    fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq);
+    fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq, sf);
     __syncthreads();
 
     /* D_w = (I + L_ww)^-1 for each warp's diagonal block */
@@ -393,13 +477,24 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args ar
      * (L is dead after the barrier above; V lands in its place while W is
      * computed) */
     const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
+    const int fl = sf[0];
+    if (fl < 64) { /* causality, rare: K rows, fw from fl on */
+        fq_wy_cut<K, SM::LDK>(Ks, fw, fl, tid);
+        __syncthreads();
+    }
     load_v();
     fq_cp_async_commit();
     fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
     fq_cp_async_wait<0>();
+    fq_wy_scan_rows<V, SM::LDV>(Vs, tid, sf + 1); /* this thread's own V pieces */
     __syncthreads();
+    const int f = min(fl, sf[1]);
+    if (f < 64) { /* causality, rare: V rows, beta from f on */
+        fq_wy_cut<V, SM::LDV>(Vs, bet, f, tid);
+        __syncthreads();
+    }
     fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
-    fq_wy_store(args, tile, Af, gam, rkv, ci.len, tid);
+    fq_wy_store(args, tile, Af, gam, rkv, ci.len, f, tid);
 }
 
 /* The kernels' arguments, the same for all three. */
@@ -416,6 +511,7 @@ static fq_wy_args fq_wy_args_of(const fq_gdn_params *p, const fq_fwd_ws *ws)
     args.rq = ws->rq;
     args.rec = NULL;
     args.scale = (float)p->scale;
+    args.poison = 0;
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.gamma = ws->gamma;
@@ -440,7 +536,8 @@ extern "C" fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd
 {
     int64_t blocks = ws->nc_max * p->HV;
     if (blocks <= 0) return FQ_OK;
-    const fq_wy_args args = fq_wy_args_of(p, ws);
+    fq_wy_args args = fq_wy_args_of(p, ws);
+    args.poison = 1; /* the three-stage forward's stage A (causality, the header) */
     if (p->K == 128 && p->V == 128) return fq_launch_wy_blocked<128, 128>(args, blocks, stream);
     if (p->K == 128 && p->V == 64) return fq_launch_wy_blocked<128, 64>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy_blocked<64, 128>(args, blocks, stream);
@@ -483,7 +580,8 @@ template <int K, int V> struct fq_wy_persistent_smem {
     static constexpr int off_l = off_v1 + vbytes;
     static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
     static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
-    static constexpr int bytes = off_vec + 4 * 64 * 4;
+    static constexpr int off_f = off_vec + 4 * 64 * 4; /* fl, fv of items of even / odd parity (causality) */
+    static constexpr int bytes = off_f + 16;
 };
 
 /* One 16x16 fp32 block product into shared memory, one warp:
@@ -539,6 +637,10 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
     float *Af = (float *)(smem + SM::off_a);
     float *gam = (float *)(smem + SM::off_vec);
     float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
+    /* causality (the header): fl, fv of the item in slot buf (2 ints); the
+     * other slot is reset for the next item after the loop-top barrier, once
+     * the previous item (its user) has read it */
+    int *sf = (int *)(smem + SM::off_f);
 
     const int HV = args.HV;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -555,6 +657,7 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
     if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
+    if (tid == 0) sf[0] = sf[1] = sf[2] = sf[3] = 64; /* read after the loop-top barrier */
 
 #pragma unroll 1
     for (int buf = 0; it < items; it += stride, buf ^= 1) {
@@ -564,6 +667,8 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
         fq_bf16 *Vs = (fq_bf16 *)(smem + (buf ? SM::off_v1 : SM::off_v0));
 
         __syncthreads(); /* the previous item is done with Lf, Af, vec and buffer buf ^ 1 */
+        int *sfi = sf + 2 * buf;
+        if (tid == 0) sf[2 * (buf ^ 1)] = sf[2 * (buf ^ 1) + 1] = 64; /* the next item's slot */
         if (cn.seq >= 0)
             fq_wy_issue_loads<K, V>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
@@ -576,10 +681,11 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
             fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
         }
         fq_cp_async_wait<1>(); /* this item's group (all but the newest) */
+        if (ci.seq >= 0) fq_wy_scan_rows<V, SM::LDV>(Vs, tid, sfi + 1); /* this thread's own V pieces */
         __syncthreads();
 
         if (ci.seq >= 0) { /* block-uniform */
-            fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq); /* L (as blocked) */
+            fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq, sfi); /* L (as blocked) */
             __syncthreads();
 
             fq_wy_diag_inverse(Lf, Af, warp, lane); /* D_w = (I + L_ww)^-1 */
@@ -620,11 +726,18 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
 #undef FQ_WY3_BLK
             __syncthreads();
 
+            /* causality, rare: K rows, fw from fl on; V rows, beta from f on (as blocked) */
+            const int fl = sfi[0], f = min(fl, sfi[1]);
+            if (f < 64) {
+                fq_wy_cut<K, SM::LDK>(Ks, fw, fl, tid);
+                fq_wy_cut<V, SM::LDV>(Vs, bet, f, tid);
+                __syncthreads();
+            }
             /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as blocked) */
             const int64_t tile = it * 64; /* (chunk * HV + j) * 64 */
             fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
             fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
-            fq_wy_store(args, tile, Af, gam, rkv, ci.len, tid);
+            fq_wy_store(args, tile, Af, gam, rkv, ci.len, f, tid);
         }
         ci = cn;
         cn = cnn;
