@@ -60,6 +60,26 @@ static __device__ __forceinline__ void fq_finite_rows(fq_bf16 *t, int ld, int ro
     }
 }
 
+/* Causality (issue 9): 1 iff one of the 16-byte pieces of a rows x D bf16
+ * tile that this thread visits (the fq_async_rows<D> mapping) holds a
+ * non-finite value (same exponent test as fq_finite_rows; no writes). */
+template <int D>
+static __device__ __forceinline__ int fq_nonfinite_rows(const fq_bf16 *t, int ld, int rows)
+{
+    uint32_t b = 0;
+    for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
+        const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
+        const uint4 x = *(const uint4 *)(t + r * ld + c);
+        const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint32_t y = (xs[q] & 0x7f807f80u) ^ 0x7f807f80u; /* a half is 0 iff not finite */
+            b |= (y - 0x00010001u) & 0x80008000u;                  /* bit 15 / 31: that half is 0 */
+        }
+    }
+    return b != 0;
+}
+
 /* In place: row r of a 64 x D bf16 tile times rs[r]. */
 template <int D>
 static __device__ __forceinline__ void fq_scale_rows(fq_bf16 *t, int ld, const float *rs)

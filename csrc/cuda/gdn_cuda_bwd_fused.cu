@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
             sdgp[tid] = sdgp[64 + tid] = sdbp[tid] = sdbp[64 + tid] = 0.f;
             scz[tid] = scz[64 + tid] = scz[128 + tid] = scz[192 + tid] = 0.f;
         }
+        const float gC_all = a.gamma[tile * 64 + 63]; /* every thread: causality, below */
         fq_async_rows<V>(sX, SM::LDX, a.vn + tile * 64 * V, V, 64, 64);
         fq_async_rows<V>(sdVn, SM::LDV, a.dvl + tile * 64 * V, V, 64, 64);
         fq_async_rows<64>(sA, SM::LDC, a.a + tile * 64 * 64, 64, 64, 64);
@@ -144,6 +145,15 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
         fq_async_rows<V>(sdS, SM::LDV, a.dsl + tile * K * V, V, 64, 64);
         fq_cp_async_commit();
         fq_cp_async_wait<0>();
+        /* causality (issue 9): dVn's non-finite elements to zero (this
+         * thread's own pieces), so that dv = diag(b) A^T dU never multiplies
+         * a structural zero of A^T by the NaN row of an earlier token (a NaN
+         * k_t makes dVn row t NaN): dv rows after the chunk's last bad row
+         * of a column are exact, the rows up to it (NaN in the reference)
+         * finite values of no meaning. Not when the chunk's gamma_C is not
+         * finite (a non-finite g: every gamma difference from it on is NaN
+         * here, so dv could not be exact; it stays NaN, issue 9 open). */
+        if (isfinite(gC_all)) fq_finite_rows<V>(sdVn, SM::LDV, 64);
         __syncthreads();
         if (jj == 0 && a.rk) {
             fq_scale_rows<K>(sK, SM::LDK, srk);
@@ -289,7 +299,11 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
                 sdbp[64 * c2 + wr + g + 8] += x1;
             }
         }
-        /* dA = dW K^T diag(b e^g) + dVn V^T diag(b)  -> sM (bf16) */
+        /* dA = dW K^T diag(b e^g) + dVn V^T diag(b)  -> sM (bf16); its
+         * non-finite entries to zero by a select (causality, issue 9: a NaN
+         * beta_t makes column t NaN, which A^T dA A^T would spread over the
+         * structural zeros of A; dL's columns c < t, and so dbeta_t, need
+         * only dA's columns c < t) */
         {
             float d1[4][4], d2[4][4];
             fq_zero_tile(d1);
@@ -300,10 +314,14 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
             for (int jn = 0; jn < 4; jn++) {
                 const int s = wc + 8 * jn + 2 * t, r = wr + g;
                 const float f0 = sb[s] * seg[s], f1 = sb[s + 1] * seg[s + 1], b0 = sb[s], b1 = sb[s + 1];
-                *(uint32_t *)(sM + r * SM::LDC + s) =
-                    fq_pack_bf16(d1[jn][0] * f0 + d2[jn][0] * b0, d1[jn][1] * f1 + d2[jn][1] * b1);
-                *(uint32_t *)(sM + (r + 8) * SM::LDC + s) =
-                    fq_pack_bf16(d1[jn][2] * f0 + d2[jn][2] * b0, d1[jn][3] * f1 + d2[jn][3] * b1);
+                float x[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float y = d1[jn][e] * ((e & 1) ? f1 : f0) + d2[jn][e] * ((e & 1) ? b1 : b0);
+                    x[e] = isfinite(y) ? y : 0.f;
+                }
+                *(uint32_t *)(sM + r * SM::LDC + s) = fq_pack_bf16(x[0], x[1]);
+                *(uint32_t *)(sM + (r + 8) * SM::LDC + s) = fq_pack_bf16(x[2], x[3]);
             }
         }
         __syncthreads();
@@ -724,20 +742,6 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
         if (SPLIT_H) fq_cp_async_wait<0>();
         __syncthreads();
 
-        /* dv_local = scale P^T dO */
-#pragma unroll
-        for (int i = 0; i < NTV; i++) {
-            float acc[4][4];
-            fq_zero_tile(acc);
-            fq_wtile_sw<true>(acc, sP, sdO, SM::LDV, wr, 64 * i + wc, NULL);
-            fq_bf16 *dst = a.dvl + tile * 64 * V;
-#pragma unroll
-            for (int jn = 0; jn < 4; jn++) {
-                const int r = wr + g, col = 64 * i + wc + 8 * jn + 2 * t;
-                *(uint32_t *)(dst + r * V + col) = fq_pack_bf16(a.scale * acc[jn][0], a.scale * acc[jn][1]);
-                *(uint32_t *)(dst + (r + 8) * V + col) = fq_pack_bf16(a.scale * acc[jn][2], a.scale * acc[jn][3]);
-            }
-        }
         /* dS_local = Q^T diag(scale e^g) dO: K x V, tiles at rows 16 (w % 4) + 64 ir */
 #pragma unroll 1
         for (int ir = 0; ir < NTK; ir++)
@@ -816,10 +820,40 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
                 if (t == 0) sdgp[64 * c2 + wr + g + 8 * h] += x;
             }
         }
-        __syncthreads(); /* dgamma complete */
+        /* causality (issue 9): does dO hold a non-finite element? (a share
+         * of the tile per thread, reduced by the barrier) */
+        const int do_bad_mine = fq_nonfinite_rows<V>(sdO, SM::LDV, 64);
+        /* dgamma complete; every warp done with dO for dS_local and F */
+        const int do_bad = __syncthreads_or(do_bad_mine);
         if (tid < 64)
             a.dgam[tile * 64 + tid] =
                 sdgp[tid] + sdgp[64 + tid] - (scz[tid] + scz[64 + tid] + scz[128 + tid] + scz[192 + tid]);
+        if (do_bad) { /* causality, rare (block-uniform): dO's non-finite elements to zero for P^T dO */
+            fq_finite_rows<V>(sdO, SM::LDV, 64);
+            __syncthreads();
+        }
+
+        /* dv_local = scale P^T dO. Last, so that in a chunk whose dO holds a
+         * non-finite element (causality, issue 9) it can use dO with those
+         * zeroed (above): P^T dO multiplies the structural zeros of P^T
+         * (P[r][s] = 0 for r < s) by dO's rows, so a NaN dO_t would reach
+         * every row s > t; with the zeros, rows s > t (those after the last
+         * bad row of a column) are exact, rows s <= t finite values of no
+         * meaning (the reference's dv there is NaN). dS_local, F, dP keep the
+         * NaN (the chain to earlier chunks and dh0 carries it). */
+#pragma unroll
+        for (int i = 0; i < NTV; i++) {
+            float acc[4][4];
+            fq_zero_tile(acc);
+            fq_wtile_sw<true>(acc, sP, sdO, SM::LDV, wr, 64 * i + wc, NULL);
+            fq_bf16 *dst = a.dvl + tile * 64 * V;
+#pragma unroll
+            for (int jn = 0; jn < 4; jn++) {
+                const int r = wr + g, col = 64 * i + wc + 8 * jn + 2 * t;
+                *(uint32_t *)(dst + r * V + col) = fq_pack_bf16(a.scale * acc[jn][0], a.scale * acc[jn][1]);
+                *(uint32_t *)(dst + (r + 8) * V + col) = fq_pack_bf16(a.scale * acc[jn][2], a.scale * acc[jn][3]);
+            }
+        }
     }
 
     /* dq = dq_hat, or its L2-norm backward */

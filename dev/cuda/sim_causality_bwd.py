@@ -9,13 +9,16 @@ pattern of the token-by-token reference (flashqla.reference).
 Dense products here multiply 0 * NaN like the tensor cores do; the selects
 and cuts are the kernels' (stage A: L's non-finite entries zeroed, fl from
 them, fv from the V rows, K rows >= fl / fw, V rows >= f / beta zeroed;
-bwd_local: lower_incl by selects, K's non-finite elements zeroed; bwd_wy: V's
-non-finite elements zeroed). The check: wherever the reference gradient is
-finite, the simulated one is finite and equal to it (float64, 1e-9) -- for
-a NaN in k, beta or g on the tokens before it only (the later tokens' dv and
-dbeta_t, finite in the reference, are printed as not done); o before the
-token exact, o from it on and the final state NaN in the three-stage
-forward (gamma poisoned from row f on).
+bwd_local: lower_incl by selects, K's non-finite elements zeroed, dv_local =
+scale P^T dO last, from dO with its non-finite elements zeroed; bwd_wy: V's
+non-finite elements zeroed, dVn's too unless the chunk's gamma_C is not
+finite, dA's non-finite entries zeroed). The check: wherever the reference
+gradient is finite, the simulated one is finite and equal to it (float64,
+1e-9), every gradient, every token, for a NaN in v, k, beta, do (one element)
+and none; for a NaN in g on the tokens before it only (its later tokens' dv,
+finite in the reference, is printed as not done: it needs gate differences
+without the chunk cumsum); o before the token exact, o from it on and the
+final state NaN in the three-stage forward (gamma poisoned from row f on).
 """
 import sys
 import warnings
@@ -117,7 +120,8 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, C=64):
             dKO = dP.T @ Qc
             dgam = (F * Qc).sum(1) + Z.sum(1) - Z.sum(0)
             dSl = (scale * np.exp(gam)[:, None] * Qc).T @ dOc
-            st3.append((scale * P.T @ dOc, dQ, dKO, dgam, dSl))
+            # dv_local last, from dO with its non-finite elements zeroed (rare path)
+            st3.append((scale * P.T @ fin0(dOc), dQ, dKO, dgam, dSl))
         dS = dht.copy()
         dSn, dvns = [None] * len(chunks), [None] * len(chunks)
         for ci in reversed(range(len(chunks))):                      # bwd_state
@@ -132,7 +136,8 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, C=64):
             gam, A, W, U = st1[ci]
             _, dQ, dKO, dgam, _ = st3[ci]
             Kc, Vc, b = k[t0:t1], fin0(v[t0:t1]), beta[t0:t1]
-            Sh, dSc, Vn, dVn = hs[ci], dSn[ci], vns[ci], dvns[ci]
+            # dVn's non-finite elements zeroed, unless the chunk's gamma_C is not finite (a NaN g: dv stays NaN)
+            Sh, dSc, Vn, dVn = hs[ci], dSn[ci], vns[ci], fin0(dvns[ci]) if np.isfinite(gam[-1]) else dvns[ci]
             n = t1 - t0
             r, c = np.indices((n, n))
             m = np.exp(gam[-1] - gam)
@@ -148,7 +153,7 @@ def backward(q, k, v, g, beta, scale, h0, do, dht, C=64):
             xw = (AtdW * Kc).sum(1)
             db = eg * xw + (AtdU * Vc).sum(1)
             dgam = dgam + b * eg * xw
-            dA = dW @ ((b * eg)[:, None] * Kc).T + dVn @ (b[:, None] * Vc).T
+            dA = fin0(dW @ ((b * eg)[:, None] * Kc).T + dVn @ (b[:, None] * Vc).T)  # non-finite entries zeroed
             M2 = (A.T @ dA) @ A.T
             Gm = np.exp(gam[:, None] - gam[None, :])
             dL = np.where(r > c, -M2, 0.0)
@@ -182,7 +187,7 @@ def main():
     rng = np.random.default_rng(0)
     T, K, V, t = 150, 16, 16, 100          # t in chunk 1, row 36
     fails = 0
-    for field in ("v", "k", "beta", "g", "none"):
+    for field in ("v", "k", "beta", "g", "do", "none"):
         q = rng.standard_normal((T, K)); k = rng.standard_normal((T, K))
         q /= np.linalg.norm(q, axis=1, keepdims=True); k /= np.linalg.norm(k, axis=1, keepdims=True)
         v = rng.standard_normal((T, V))
@@ -190,8 +195,8 @@ def main():
         beta = 1 / (1 + np.exp(-rng.standard_normal(T)))
         h0 = 0.5 * rng.standard_normal((K, V)); do = rng.standard_normal((T, V))
         dht = 0.5 * rng.standard_normal((K, V))
-        if field in ("v", "k"):
-            {"v": v, "k": k}[field][t, 1] = np.nan
+        if field in ("v", "k", "do"):
+            {"v": v, "k": k, "do": do}[field][t, 1] = np.nan
         elif field != "none":
             {"beta": beta, "g": g}[field][t] = np.nan
         scale = K ** -0.5
@@ -202,22 +207,22 @@ def main():
             rg = reference.backward(ex(q), ex(k), ex(v), ex(g), ex(beta), ex(do), dfinal_state=dht[None, None],
                                     scale=scale, initial_state=h0[None, None])
         o, ht = forward_three_stage(q, k, v, g, beta, scale, h0)
-        msgs = [check("o", o[:t], ro[0, :t, 0])]
-        if field != "none":
+        msgs = [check("o", o[:t], ro[0, :t, 0])] if field != "do" else [check("o", o, ro[0, :, 0])]
+        if field not in ("none", "do"):
             msgs.append(None if np.isnan(o[t:]).any(1).all() else "o: a finite row from the NaN token on")
             msgs.append(None if np.isnan(ht).any() else "ht: finite")
         got = backward(q, k, v, g, beta, scale, h0, do, dht)
         refs = [rg[0][0, :, 0], rg[1][0, :, 0], rg[2][0, :, 0], rg[3][0, :, 0], rg[4][0, :, 0], rg[5][0, 0]]
         gaps = []
         for n, x, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, refs):
-            if field in ("v", "none"):
+            if field != "g":
                 msgs.append(check(n, x, r))
-            elif n != "dh0":   # k, beta, g: the tokens before t (what the kernels do so far)
+            elif n != "dh0":   # g: the tokens before t (what the kernels do so far)
                 msgs.append(check(n, x[:t], r[:t]))
                 gaps.append(check(n, x, r))
         msgs = [m for m in msgs if m]
         gaps = [m for m in gaps if m]
-        nfin = {n: int(np.isfinite(r).sum()) for n, r in zip(("dq", "dk", "dv", "dg", "dbeta"), refs)}
+        nfin = {n: int(np.isfinite(r).sum()) for n, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), refs)}
         print(f"NaN in {field:5s}: reference finite entries {nfin}: " + ("OK" if not msgs else "; ".join(msgs)))
         if gaps:
             print("    not done (tokens from t on): " + "; ".join(gaps))
