@@ -422,7 +422,8 @@ fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, 
  * runs it). Exported for dev/cuda/check_fwd_wy.cu. Same outputs except
  * from a chunk's first non-finite row f on (causality, issue 9): the
  * blocked one, as the three-stage forward's stage A, stores gamma NaN
- * there; the persistent one keeps it for the backward. */
+ * there; the persistent one keeps it for the backward, scans g with its
+ * non-finite values as 0 and stores W NaN from min(fl, first bad g row) on. */
 fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* Stage B: writes ws->h, ws->vn and, when ht != NULL, ht [N, HV, K, V] fp32.

@@ -45,6 +45,22 @@
  *        the finite U, W and chunk-start state) is finite, so o rows < f are
  *        exact. The backward's recompute keeps gamma (its rows >= f hold what
  *        the backward needs, see gdn_cuda_bwd_fused.cu).
+ * The persistent kernel (the backward's recompute) also
+ *   scans g' = isfinite(g) ? g : 0 (warp 0, a select per gate), tg = the
+ *        chunk's first row of a non-finite g (a ballot; 64: none): gamma stays
+ *        finite and exact for every pair r >= s >= the last bad row, whose
+ *        gate differences exclude the bad g, so the reference's finite dv
+ *        from a NaN g_t on in its chunk comes out (bwd_local's P, bwd_state's
+ *        kdecay, bwd_wy's A: all finite now, rows < tg exact as before);
+ *   rare path (min(fl, tg) < 64, block-uniform, one barrier): W's rows from
+ *        min(fl, tg) on stored as NaN (the true W rows there see the bad
+ *        k / beta / rk / g), so stage B's Vn = U - W h rows there, the state
+ *        after the chunk (K^T (kdecay ⊙ Vn) sums over the rows) and
+ *        bwd_state's W^T dVn (so dh0 and the earlier chunks' dS) are NaN, as
+ *        the reference's; nothing the reference has finite reads those rows
+ *        (dv = diag(b) A^T dVn and dVn = dv_local + kdecay (K dS) read no W
+ *        and no Vn; dq before the bad token reads W's rows before it).
+ *        Simulated in float64: dev/cuda/sim_causality_bwd.py.
  */
 #include "gdn_cuda_common.cuh"
 
@@ -330,6 +346,32 @@ static __device__ __forceinline__ void fq_wy_gate_scan(float gv[2], const float 
     }
 }
 
+/* Causality, the persistent kernel only (the header): g' = isfinite(g) ? g : 0
+ * for the gates of fq_wy_gates (one warp, before fq_wy_gate_scan), and the
+ * returned tg = the first chunk row with a non-finite g (64: none), the
+ * same in every lane. */
+static __device__ __forceinline__ int fq_wy_gates_finite(float gv[2])
+{
+    const int ok0 = isfinite(gv[0]), ok1 = isfinite(gv[1]);
+    const unsigned b0 = __ballot_sync(0xffffffffu, !ok0), b1 = __ballot_sync(0xffffffffu, !ok1);
+    gv[0] = ok0 ? gv[0] : 0.f;
+    gv[1] = ok1 ? gv[1] : 0.f;
+    return b0 ? __ffs(b0) - 1 : (b1 ? 31 + __ffs(b1) : 64);
+}
+
+/* Causality, the persistent kernel's rare path (the header): rows from..len-1
+ * of one item's W tile in global memory (64 x K bf16) to NaN (the padding
+ * rows stay zero); 128 threads, after a barrier that orders them behind
+ * fq_wy_apply's stores. */
+template <int K>
+static __device__ __forceinline__ void fq_wy_poison_w(fq_bf16 *w, int from, int len, int tid)
+{
+    for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
+        int r = idx / (K / 8), c = (idx % (K / 8)) * 8;
+        if (r >= from && r < len) *(uint4 *)(w + r * K + c) = make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
+    }
+}
+
 /* D_w = (I + L_ww)^-1, the inverse of warp w's diagonal block: lane -> column
  * c = lane % 16 (lanes 16..31 repeat lanes 0..15),
  * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c]; written to Af's block (w, w). */
@@ -580,8 +622,8 @@ template <int K, int V> struct fq_wy_persistent_smem {
     static constexpr int off_l = off_v1 + vbytes;
     static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
     static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
-    static constexpr int off_f = off_vec + 4 * 64 * 4; /* fl, fv of items of even / odd parity (causality) */
-    static constexpr int bytes = off_f + 16;
+    static constexpr int off_f = off_vec + 4 * 64 * 4; /* fl, fv of items of even / odd parity, tg (causality) */
+    static constexpr int bytes = off_f + 32;
 };
 
 /* One 16x16 fp32 block product into shared memory, one warp:
@@ -639,7 +681,9 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
     float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
     /* causality (the header): fl, fv of the item in slot buf (2 ints); the
      * other slot is reset for the next item after the loop-top barrier, once
-     * the previous item (its user) has read it */
+     * the previous item (its user) has read it; sf[4] = tg of the item (set by
+     * warp 0 before the barrier after the gate scan, read after it, rewritten
+     * only after the next loop-top barrier) */
     int *sf = (int *)(smem + SM::off_f);
 
     const int HV = args.HV;
@@ -674,9 +718,12 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
         fq_cp_async_commit();
 
-        /* gamma = cumsum(g) (warp 0: tokens lane and lane + 32), beta, rk and
-         * the W column factors fw = beta e^gamma rk; then the next item's gates */
+        /* gamma = cumsum(g') (warp 0: tokens lane and lane + 32; g' and tg:
+         * causality, the header), beta, rk and the W column factors fw = beta
+         * e^gamma rk; then the next item's gates */
         if (warp == 0) {
+            const int tg = fq_wy_gates_finite(gv);
+            if (lane == 0) sf[4] = tg;
             fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
             fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
         }
@@ -738,6 +785,12 @@ __global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args
             fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
             fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
             fq_wy_store(args, tile, Af, gam, rkv, ci.len, f, tid);
+            /* causality, rare: W's rows from min(fl, tg) on to NaN (the header) */
+            const int fwn = min(fl, sf[4]);
+            if (fwn < 64) {
+                __syncthreads();
+                fq_wy_poison_w<K>(args.w + tile * K, fwn, ci.len, tid);
+            }
         }
         ci = cn;
         cn = cnn;
