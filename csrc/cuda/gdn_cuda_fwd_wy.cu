@@ -868,9 +868,17 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
  * The block products take bf16 operands and accumulate in fp32 (the
  * numerics were simulated against the float64 reference before this was
  * written: dev/cuda/sim_fwd_fused_numerics.py, +1 % on the forward's error).
- * Shared memory (37 KB at K = 128): the K tile, the diagonal blocks in fp32,
- * A in bf16 (upper blocks zero, so block products may run over them), and
- * one bf16 scratch tile per warp for the right factor of its products. */
+ *
+ * GVA: K K^T depends only on the q/k head, so a block takes key items
+ * (chunk, q/k head) and runs the R = HV / H value heads of one after another
+ * on one K K^T (formed once, each warp's block row then kept as fp32
+ * fragments in the place of the K tile); the gating of L onwards is per value
+ * head. Shared memory (54 KB at K = 128 and 54 KB at K = 64 with the
+ * fragments' own 16 KB, 4 blocks per SM): the K tiles
+ * (double-buffered: the next key item's loads in flight), the diagonal
+ * blocks in fp32, A in bf16 (upper blocks zero, so block products may run
+ * over them), one bf16 scratch tile per warp for the right factor of its
+ * products. */
 template <int K> struct fq_inv_smem {
     static constexpr int LDK = K + 8, LDA = 72, LDX = 40, LDD = 20;
     static constexpr int off_k = 0;                     /* K tiles, double-buffered */
@@ -880,7 +888,12 @@ template <int K> struct fq_inv_smem {
     static constexpr int off_d = off_x + 4 * 16 * LDX * 2;
     static constexpr int off_vec = off_d + 4 * 16 * LDD * 4;
     static constexpr int off_bad = off_vec + 4 * 64 * 4; /* per warp: its block row's non-finite rows (16 bits) */
-    static constexpr int bytes = off_bad + 16;
+    /* the four block rows of K K^T as fp32 fragments (16 KB): in the place of
+     * the K tile they come from once it is read (K = 128), else their own */
+    static constexpr int kkt_bytes = 4 * 8 * 32 * 16;
+    static constexpr bool kkt_in_k = kkt_bytes <= 64 * LDK * 2;
+    static constexpr int off_kkt = off_bad + 16;
+    static constexpr int bytes = off_kkt + (kkt_in_k ? 0 : kkt_bytes);
 };
 
 
@@ -896,6 +909,29 @@ static __device__ __forceinline__ void fq_inv_mm(float (*d)[4], const uint32_t a
         fq_frag_b_kn(b, s, ld, k0, n0 + 16 * n2);
         fq_mma_bf16(d[2 * n2], a, b[0], b[1]);
         fq_mma_bf16(d[2 * n2 + 1], a, b[2], b[3]);
+    }
+}
+
+/* Block row W of K K^T (rows 16 W.., column blocks 0..W, the blocks above
+ * zero) as mma.sync accumulators, from the K tile Ks [64][LDK]: as
+ * fq_kkt_block_row, with the row known at compile time so that a warp issues
+ * only its own 16 (W + 1) products (a run-time bound predicates all 64 on). */
+template <int K, int LDK, int W>
+static __device__ __forceinline__ void fq_inv_kkt_rows(float (*acc)[4], const fq_bf16 *Ks)
+{
+#pragma unroll
+    for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        uint32_t a[4];
+        fq_frag_a(a, Ks, LDK, 16 * W, 16 * kk);
+#pragma unroll
+        for (int n2 = 0; n2 <= W; n2++) {
+            uint32_t b[4];
+            fq_frag_b_nk(b, Ks, LDK, 16 * n2, 16 * kk);
+            fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+            fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+        }
     }
 }
 
@@ -932,12 +968,86 @@ static __device__ __forceinline__ void fq_inv_store_c(fq_bf16 *s, int ld, int c0
     }
 }
 
-/* One item (chunk, value head j): K tile, gate vectors and zeroed A in
- * shared memory, 128 threads. Writes A'' and the record of `item`. */
+/* The next item's per-token inputs, loaded a whole item ahead into
+ * registers of warp 0 as they are stored (no conversion, clamp or select
+ * that would wait on the load here; fq_inv_gate_scan does those): g and beta
+ * of value head j, rk and rq of q/k head j / R, tokens lane and lane + 32 of
+ * chunk c (flags: which are loaded). A float64 gate is converted at the load. */
+struct fq_inv_raw {
+    uint32_t g[2], b[2];
+    float rk[2], rq[2];
+    int ok[2];
+};
+static __device__ __forceinline__ uint32_t fq_inv_ld_raw(const void *p, fq_dtype dt, int64_t i)
+{
+    switch (dt) {
+    case FQ_F32: return ((const uint32_t *)p)[i];
+    case FQ_F16:
+    case FQ_BF16: return ((const unsigned short *)p)[i];
+    default: return __float_as_uint((float)((const double *)p)[i]);
+    }
+}
+static __device__ __forceinline__ float fq_inv_raw_f(uint32_t u, fq_dtype dt)
+{
+    switch (dt) {
+    case FQ_F16: return __half2float(__ushort_as_half((unsigned short)u));
+    case FQ_BF16: return __bfloat162float(__ushort_as_bfloat16((unsigned short)u));
+    default: return __uint_as_float(u); /* float32 (float64: converted at the load) */
+    }
+}
+static __device__ __forceinline__ void fq_inv_gates(const fq_wy_args &args, fq_chunk_info c, int j, int hq,
+                                                    fq_inv_raw &x)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = lane + 32 * h;
+        x.ok[h] = c.seq >= 0 && r < c.len;
+        x.g[h] = x.b[h] = 0u;
+        x.rk[h] = x.rq[h] = 1.f;
+        if (x.ok[h]) {
+            const int64_t gi = (int64_t)(c.row0 + r) * args.HV + j, qi = (int64_t)(c.row0 + r) * args.H + hq;
+            x.g[h] = fq_inv_ld_raw(args.g, args.gate_dtype, gi);
+            x.b[h] = fq_inv_ld_raw(args.beta, args.gate_dtype, gi);
+            if (args.rk) x.rk[h] = args.rk[qi];
+            if (args.rq) x.rq[h] = args.rq[qi];
+        }
+    }
+}
+/* gamma = cumsum(g) (g through the full-reset clamp of fq_gate_load), and
+ * the vectors beta, rk, rq of the item into shared memory (zeros past len);
+ * one warp, tokens lane and lane + 32 */
+static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_dtype dt, float *gam, float *bet,
+                                                        float *rkv, float *rqv, int lane)
+{
+    float gv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float g = fq_inv_raw_f(x.g[h], dt);
+        gv[h] = x.ok[h] ? (g < (float)FQ_GATE_RESET ? (float)FQ_GATE_RESET : g) : 0.f;
+    }
+    for (int o = 1; o < 32; o <<= 1) {
+        float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
+        if (lane >= o) { gv[0] += y0; gv[1] += y1; }
+    }
+    gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = lane + 32 * h;
+        gam[r] = gv[h];
+        bet[r] = x.ok[h] ? fq_inv_raw_f(x.b[h], dt) : 0.f;
+        rkv[r] = x.ok[h] ? x.rk[h] : 0.f;
+        rqv[r] = x.ok[h] ? x.rq[h] : 0.f;
+    }
+}
+
+/* One item (chunk, value head j): the warp's block row of K K^T (kkt, this
+ * warp's fragments), gate vectors and zeroed A in shared memory, 128 threads.
+ * Writes A'' and the record of `item`. */
 template <int K>
 static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
-                                                   const fq_bf16 *Ks, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
-                                                   float *gam, float *bet, float *rkv)
+                                                   const float4 *kkt, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
+                                                   float *gam, float *bet, float *rkv, const float *rqv)
 {
     typedef fq_inv_smem<K> SM;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -945,7 +1055,11 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
      * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
     float l[8][4];
-    fq_kkt_block_row<K, SM::LDK>(l, Ks, warp);
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const float4 x = kkt[32 * n + lane];
+        l[n][0] = x.x, l[n][1] = x.y, l[n][2] = x.z, l[n][3] = x.w;
+    }
     {
         /* the row factors beta_r rk_r and gamma_r of this thread's rows, then
          * column block by column block (blocks above warp w's are all zero;
@@ -1059,8 +1173,12 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             fq_inv_mm<4>(t, a, Ab, SM::LDA, 16 * kb, 0);
         }
         fq_inv_store_c<4>(Xw, SM::LDX, 0, t, 1.f);
-        __syncwarp();
-        fq_named_bar(1, 64); /* T_2 (warp 2's scratch) visible to warp 3 */
+    }
+    /* T_2 (warp 2's scratch) visible to warp 3: a block barrier (warps 0 and 1
+     * have nothing left to do here; a named barrier of warps 2 and 3 alone
+     * made racecheck misorder the items of a block) */
+    __syncthreads();
+    if (warp >= 2) {
         const fq_bf16 *X2 = Xs + 2 * 16 * SM::LDX;
         float y[4][4];
 #pragma unroll
@@ -1085,23 +1203,31 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
                                      (unsigned long long)sb[2] << 32 | (unsigned long long)sb[3] << 48;
         f = m ? __ffsll((long long)m) - 1 : 64;
     }
-    /* A'' = A diag(beta) (bf16, zeros above the diagonal) and the gate record */
-    fq_bf16 *ag = args.a + item * 64 * 64;
-    for (int idx = tid; idx < 64 * 8; idx += 128) {
-        int r = idx >> 3, c = (idx & 7) * 8;
-        uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
-        uint32_t *px = (uint32_t *)&x;
+    /* A'' = A diag(beta) (bf16, zeros above the diagonal) and the gate record:
+     * thread -> columns c..c+7, rows r0 + 16 m */
+    {
+        const int c = (tid & 7) * 8, r0 = tid >> 3;
+        float fb[8]; /* beta of the columns, used only where c < f (a select: A's columns from f on
+                        are zeros even where they overflowed) */
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float2 y = fq_unpack_bf16(px[e]);
-            const int c2 = c + 2 * e;
-            px[e] = fq_pack_bf16(c2 < f ? y.x * bet[c2] : 0.f, c2 + 1 < f ? y.y * bet[c2 + 1] : 0.f);
+        for (int e = 0; e < 8; e++) fb[e] = bet[c + e];
+        fq_bf16 *ag = args.a + item * 64 * 64 + r0 * 64 + c;
+        const fq_bf16 *as = Ab + r0 * SM::LDA + c;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            uint4 x = *(const uint4 *)(as + 16 * m * SM::LDA);
+            uint32_t *px = (uint32_t *)&x;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 y = fq_unpack_bf16(px[e]);
+                px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * fb[2 * e] : 0.f,
+                                     c + 2 * e + 1 < f ? y.y * fb[2 * e + 1] : 0.f);
+            }
+            *(uint4 *)(ag + 16 * m * 64) = x;
         }
-        *(uint4 *)(ag + r * 64 + c) = x;
     }
     if (tid < 64) {
-        float rq = 0.f;
-        if (tid < ci.len) rq = args.rq ? args.rq[(int64_t)(ci.row0 + tid) * args.H + hq] : 1.f;
+        const float rq = rqv[tid];
         float *rec = args.rec + item * FQ_REC_FLOATS;
         const float ga = gam[tid], eg = __expf(ga), rk = rkv[tid];
         rec[FQ_REC_G2 + tid] = ga * 1.4426950408889634f;
@@ -1118,12 +1244,17 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     }
 }
 
-/* Persistent: grid min(items, SMs x 4) blocks loop over the items
- * it = (chunk, value head) = blockIdx.x, blockIdx.x + gridDim.x, ...; the
- * next item's K tile (cp.async, double-buffered) and gates (registers of
- * warp 0) are in flight while the current one is computed. */
+/* Persistent: grid min(kitems, SMs x 4) blocks loop over the key items
+ * ki = (chunk, q/k head hq) = blockIdx.x, blockIdx.x + gridDim.x, ...; each
+ * key item is R = HV / H items (chunk, value head j = hq R + i), i = 0..R-1,
+ * that share its K tile and K K^T (GVA): the tile is loaded once (cp.async,
+ * double-buffered: the next key item's is in flight meanwhile), K K^T formed
+ * once into shared memory (each warp its own block row), and per value head
+ * only the gates, L, the inverse and the stores differ. The next item's gates
+ * (raw, in registers of warp 0) are loaded while the current one is computed,
+ * the chunk table two key items ahead. */
 template <int K>
-__global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args, int64_t items)
+__global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args, int kitems)
 {
     typedef fq_inv_smem<K> SM;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -1131,60 +1262,98 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
     fq_bf16 *Xs = (fq_bf16 *)(smem + SM::off_x);
     float *Ld = (float *)(smem + SM::off_d);
     float *gam = (float *)(smem + SM::off_vec);
-    float *bet = gam + 64, *rkv = gam + 128, *fw = gam + 192;
-    const int HV = args.HV, H = args.H;
+    float *bet = gam + 64, *rkv = gam + 128, *rqv = gam + 192;
+    const int HV = args.HV, H = args.H, R = HV / H;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t stride = gridDim.x;
+    const int stride = gridDim.x;
     fq_pdl_trigger();
     fq_pdl_wait();
+    /* A starts as zeros; every item writes all of its blocks on and below the
+     * diagonal, so the blocks above it stay zero */
+    for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
 
-    /* the item's K rows (zeros past len) into buffer b; no commit */
-    auto issue = [&](fq_chunk_info c, int64_t it, int b) {
-        const int hq = (int)(it % HV) / (HV / H);
-        fq_bf16 *Kb = (fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k));
+    auto chunk_of = [&](int k) {
+        fq_chunk_info c;
+        if (k < kitems) {
+            c = args.chunks[k / H];
+        } else {
+            c.seq = -1;
+            c.row0 = c.len = c.local = 0;
+        }
+        return c;
+    };
+    /* the K rows of chunk c, q/k head hq (zeros past len) into buffer b; no
+     * commit. Thread -> 16 bytes at column pc of rows r0, r0 + RPI, ... */
+    auto issue = [&](fq_chunk_info c, int hq, int b) {
+        constexpr int PPR = K / 8, RPI = 128 / PPR;
         if (c.seq < 0) return;
-        /* (fq_wy_load_rows' loop, written out: through the helper this kernel
-         * compiles to different, untested machine code) */
-        for (int idx = tid; idx < 64 * (K / 8); idx += 128) {
-            int r = idx / (K / 8), cc = (idx % (K / 8)) * 8;
-            const fq_bf16 *src = args.kb;
-            int bytes = 0;
-            if (r < c.len) { src = args.kb + ((int64_t)(c.row0 + r) * H + hq) * K + cc; bytes = 16; }
-            fq_cp_async16(Kb + r * SM::LDK + cc, src, bytes);
+        const int pc = (tid % PPR) * 8, r0 = tid / PPR;
+        fq_bf16 *dst = (fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k)) + r0 * SM::LDK + pc;
+        const fq_bf16 *src = args.kb + ((int64_t)(c.row0 + r0) * H + hq) * K + pc;
+        const int64_t step = (int64_t)RPI * H * K;
+#pragma unroll
+        for (int m = 0; m < 64 / RPI; m++) {
+            const int ok = r0 + RPI * m < c.len;
+            fq_cp_async16(dst + RPI * m * SM::LDK, ok ? (const void *)(src + m * step) : (const void *)args.kb,
+                          ok ? 16 : 0);
         }
     };
-    int64_t it = blockIdx.x;
-    fq_chunk_info ci = fq_wy_item_chunk(args, it, items);
-    issue(ci, it, 0);
+    /* the chunk table is read two key items ahead, the gates one item ahead,
+     * so that no load is waited for where it is issued */
+    int ki = blockIdx.x, hq = ki % H;
+    fq_chunk_info ci = chunk_of(ki), cn = chunk_of(ki + stride);
+    issue(ci, hq, 0);
     fq_cp_async_commit();
-    float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
-    if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
+    fq_inv_raw gx;
+    if (warp == 0) fq_inv_gates(args, ci, hq * R, hq, gx);
 #pragma unroll 1
-    for (int buf = 0; it < items; it += stride, buf ^= 1) {
-        const int64_t nit = it + stride;
-        const fq_chunk_info cn = fq_wy_item_chunk(args, nit, items);
-        __syncthreads(); /* the previous item is done with A, the scratch, the vectors and buffer buf ^ 1 */
-        issue(cn, nit, buf ^ 1);
-        fq_cp_async_commit();
-        /* A starts as zeros: the blocks above the diagonal stay zero */
-        for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
-
-        if (warp == 0) {
-            fq_wy_gate_scan(gv, bv, rv, gam, bet, rkv, fw, lane);
-            fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
+    for (int buf = 0; ki < kitems; ki += stride, buf ^= 1) {
+        const int nki = ki + stride, nhq = nki % H;
+        const fq_chunk_info cnn = chunk_of(nki + stride); /* used from the next key item on */
+        const int64_t item0 = (int64_t)(ki / H) * HV + hq * R; /* (chunk, value head hq R) */
+#pragma unroll 1
+        for (int i = 0; i < R; i++) {
+            __syncthreads(); /* the previous item is done with A, the scratch, the vectors (and buffer buf ^ 1) */
+            if (i == 0) {
+                issue(cn, nhq, buf ^ 1);
+                fq_cp_async_commit();
+            }
+            if (warp == 0) {
+                fq_inv_gate_scan(gx, args.gate_dtype, gam, bet, rkv, rqv, lane);
+                if (i + 1 < R) fq_inv_gates(args, ci, hq * R + i + 1, hq, gx);
+                else fq_inv_gates(args, cn, nhq * R, nhq, gx);
+            }
+            if (i == 0) fq_cp_async_wait<1>(); /* this key item's K tile */
+            __syncthreads();
+            if (ci.seq < 0) continue; /* block-uniform */
+            /* this key item's K K^T: warp w's block row as fp32 fragments (K = 128: in place of the K tile) */
+            float4 *kkt = (float4 *)(smem + (!SM::kkt_in_k ? SM::off_kkt : buf ? SM::off_k1 : SM::off_k)) + warp * 8 * 32;
+            if (i == 0) {
+                /* K K^T once per key item, warp w its block row */
+                const fq_bf16 *Ks = (const fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k));
+                float l[8][4];
+                switch (warp) {
+                case 0: fq_inv_kkt_rows<K, SM::LDK, 0>(l, Ks); break;
+                case 1: fq_inv_kkt_rows<K, SM::LDK, 1>(l, Ks); break;
+                case 2: fq_inv_kkt_rows<K, SM::LDK, 2>(l, Ks); break;
+                default: fq_inv_kkt_rows<K, SM::LDK, 3>(l, Ks); break;
+                }
+                __syncthreads(); /* every warp is done reading the K tile (which the fragments may replace) */
+#pragma unroll
+                for (int n = 0; n < 8; n++) kkt[32 * n + lane] = make_float4(l[n][0], l[n][1], l[n][2], l[n][3]);
+                /* (each lane reads back only what it wrote) */
+            }
+            fq_inv_item<K>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, bet, rkv, rqv);
         }
-        fq_cp_async_wait<1>(); /* this item's group */
-        __syncthreads();
-        if (ci.seq >= 0) /* block-uniform */
-            fq_inv_item<K>(args, ci, (int)(it % HV) / (HV / H), it,
-                           (const fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k)), Ab, Xs, Ld, gam, bet, rkv);
         ci = cn;
+        cn = cnn;
+        hq = nhq;
     }
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
 
 template <int K>
-static fq_status fq_launch_inverse(const fq_wy_args &args, int64_t blocks, cudaStream_t stream)
+static fq_status fq_launch_inverse(const fq_wy_args &args, int kitems, cudaStream_t stream)
 {
     int bytes = fq_inv_smem<K>::bytes;
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K>, bytes);
@@ -1194,20 +1363,24 @@ static fq_status fq_launch_inverse(const fq_wy_args &args, int64_t blocks, cudaS
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_inverse_kernel<K>, 128, bytes));
     if (per_sm < 1) per_sm = 1;
-    int64_t grid = (int64_t)sms * per_sm;
-    if (grid > blocks) grid = blocks;
+    int grid = sms * per_sm;
+    if (grid > kitems) grid = kitems;
     return fq_launch_k(fq_fwd_inverse_kernel<K>, (unsigned)grid, 128, bytes, stream, fq_cuda_pdl_enabled(), args,
-                       blocks);
+                       kitems);
 }
 
 extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
-    int64_t blocks = ws->nc_max * p->HV;
-    if (blocks <= 0) return FQ_OK;
+    /* key items (chunk, q/k head); int indices in the kernel: kitems + its grid < 2^31 */
+    const int64_t kitems = ws->nc_max * p->H;
+    if (kitems <= 0) return FQ_OK;
+    if (kitems > (1LL << 30))
+        return fq_fail(FQ_ERR_VALUE, "too many chunks for the CUDA forward (%lld chunks x %lld heads)",
+                       (long long)ws->nc_max, (long long)p->H);
     fq_wy_args args = fq_wy_args_of(p, ws);
     args.rec = ws->rec;
-    if (p->K == 128) return fq_launch_inverse<128>(args, blocks, stream);
-    if (p->K == 64) return fq_launch_inverse<64>(args, blocks, stream);
+    if (p->K == 128) return fq_launch_inverse<128>(args, (int)kitems, stream);
+    if (p->K == 64) return fq_launch_inverse<64>(args, (int)kitems, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 
