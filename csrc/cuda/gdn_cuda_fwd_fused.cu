@@ -59,18 +59,17 @@
 #define FQ_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
 
 /* Shared memory of one CTA. Per stage: Q (K/64 tiles), K (K/64 tiles), V,
- * A'', the second W tile (K = 128), U^T (fp32 64 x 64); then the barriers
- * and the stages' gate records (FQ_REC_*). */
+ * A'', P then the O staging; then the barriers and the stages' gate records
+ * (FQ_REC_*). */
 template <int K> struct fq_fused_smem {
     static constexpr int KT = K / 64;
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + KT * FQ_TILE;
-    static constexpr int off_v = off_k + KT * FQ_TILE; /* V, then W tile 0 */
-    static constexpr int off_a = off_v + FQ_TILE;      /* A'', then P */
-    static constexpr int off_w1 = off_a + FQ_TILE;     /* W tile 1 (K = 128) */
-    static constexpr int off_u = off_w1 + (KT - 1) * FQ_TILE; /* U^T fp32 (64 rows of 68), then the O staging */
-    static constexpr int stage = off_u + 64 * 68 * 4;          /* a multiple of 1024 */
-    static constexpr int off_bar = FQ_FUSED_STAGES * stage;     /* full, ready_w, ready_p, empty, checked */
+    static constexpr int off_v = off_k + KT * FQ_TILE; /* V */
+    static constexpr int off_a = off_v + FQ_TILE;      /* A'' */
+    static constexpr int off_u = off_a + FQ_TILE;      /* P (bf16 tile), then the O staging (fp32: 64 rows of 68) */
+    static constexpr int stage = off_u + 64 * 68 * 4;  /* a multiple of 1024 */
+    static constexpr int off_bar = FQ_FUSED_STAGES * stage; /* full, ready_t, ready_p, empty, checked */
     static constexpr int off_chk = off_bar + (5 * FQ_FUSED_STAGES * 8 + 15) / 16 * 16; /* per stage: an int */
     static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16;   /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
@@ -132,15 +131,6 @@ static __device__ __forceinline__ void fq_chain_store_state(const float *S, floa
         }
 }
 
-/* The A fragment of K-step kk (columns 16 kk..) for warp w's 16 rows of a
- * 64 x 64 bf16 SWIZZLE_128B tile, by ldmatrix. */
-static __device__ __forceinline__ void fq_ldsm_a_sw128(uint32_t a[4], const unsigned char *tile, int w, int kk)
-{
-    const int l = threadIdx.x & 31;
-    const int row = 16 * w + (l & 7) + ((l >> 3) & 1) * 8, col = 16 * kk + (l >> 4) * 8;
-    fq_ldsm_x4(a, fq_smem_u32(tile + fq_sw128(row, 2 * col)));
-}
-
 /* Accumulator n8 blocks nb0, nb0 + 1 of warp w (16 rows) as bf16 pairs
  * p<nb><h> (h: rows + 8) into a 64 x 64 bf16 SWIZZLE_128B tile at columns
  * 8 nb (tile rows = accumulator rows): one stmatrix. */
@@ -152,12 +142,6 @@ static __device__ __forceinline__ void fq_stsm_pairs(unsigned char *tile, int w,
     fq_stsm_x4(fq_smem_u32(tile + fq_sw128(row, 16 * (nb & 7))), p00, p01, p10, p11);
 }
 
-/* bf16 pair scaled by two factors. */
-static __device__ __forceinline__ uint32_t fq_scale_pair(uint32_t x, float f0, float f1)
-{
-    float2 v = fq_unpack_bf16(x);
-    return fq_pack_bf16(v.x * f0, v.y * f1);
-}
 #endif
 
 template <int K, int MODE>
@@ -173,10 +157,11 @@ __global__ void __launch_bounds__(384, 1)
     /* 1024-byte alignment for the SWIZZLE_128B tiles, by offset (the pointer
      * stays a shared-memory one: plain STS/LDS, not generic accesses) */
     unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
-    /* full: the stage's loads landed; ready_w: W, U^T written (prep); ready_p:
-     * P written (prep); empty: the chain is done with the stage */
+    /* full: the stage's loads landed; ready_t: its tiles final (the prep has
+     * zeroed the rows that enter nothing); ready_p: P written (prep); empty:
+     * the chain is done with the stage */
     uint64_t *full = (uint64_t *)(smem + SM::off_bar);
-    uint64_t *ready_w = full + FQ_FUSED_STAGES, *ready_p = ready_w + FQ_FUSED_STAGES;
+    uint64_t *ready_t = full + FQ_FUSED_STAGES, *ready_p = ready_t + FQ_FUSED_STAGES;
     uint64_t *empty = ready_p + FQ_FUSED_STAGES;
     /* checked: the stage's V rows checked (issue 9), the record poisoned
      * where they are not finite; chk: the checker's row minimum per stage */
@@ -199,7 +184,7 @@ __global__ void __launch_bounds__(384, 1)
             /* full: the producer's one arrival plus the TMA bytes; the others:
              * every thread of the warpgroup arrives after its own accesses */
             fq_mbar_init(&full[s], 1);
-            fq_mbar_init(&ready_w[s], 128);
+            fq_mbar_init(&ready_t[s], 128);
             fq_mbar_init(&ready_p[s], 128);
             fq_mbar_init(&empty[s], 128);
             fq_mbar_init(&checked[s], 1);
@@ -309,84 +294,22 @@ __global__ void __launch_bounds__(384, 1)
                     *(uint4 *)(tb + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
                 }
                 fq_fence_async_smem();
-                fq_named_bar(2, 128);
+                fq_named_bar(2, 128); /* (before this warpgroup's own products read them) */
             }
+            fq_mbar_arrive(&ready_t[s]); /* the chain reads the tiles from here on */
+            if constexpr (MAP) continue; /* no outputs: nothing else to prepare */
 
-            /* A'' (from stage A) and A' = A'' diag(e^gamma rk) as A fragments (warp w: rows 16w..) */
-            uint32_t a1[4][4], a2[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                fq_ldsm_a_sw128(a2[kk], st + SM::off_a, w, kk);
-                const int c0 = 16 * kk + 2 * t, c1 = c0 + 8;
-                const float *fa1 = rec + FQ_REC_FA1;
-                const float f00 = fa1[c0], f01 = fa1[c0 + 1], f10 = fa1[c1], f11 = fa1[c1 + 1];
-                a1[kk][0] = fq_scale_pair(a2[kk][0], f00, f01);
-                a1[kk][1] = fq_scale_pair(a2[kk][1], f00, f01);
-                a1[kk][2] = fq_scale_pair(a2[kk][2], f10, f11);
-                a1[kk][3] = fq_scale_pair(a2[kk][3], f10, f11);
-            }
-
-            float pacc[32], uacc[32], wacc[K / 2];
+            /* P = lower_incl(Q K^T ⊙ Gamma) diag(scale rq) . diag(rk), bf16, into the stage's P tile */
+            float pacc[32];
             const uint32_t sq = fq_smem_u32(st + SM::off_q), sk = fq_smem_u32(st + SM::off_k);
-            const uint32_t sv = fq_smem_u32(st + SM::off_v);
             fq_wgmma_fence();
-            /* group 1: W = A' K (K MN-major; its two 64-column tiles FQ_TILE apart) */
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                if constexpr (K == 128)
-                    fq_wgmma_rs_n128<1, 0>(wacc, a1[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), kk > 0);
-                else
-                    fq_wgmma_rs_n64<1, 0>(wacc, a1[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), kk > 0);
-            }
-            /* U = A'' V (V MN-major: rows are the reduction index; U = 0 for an M block) */
-            if (!mblk) {
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++)
-                    fq_wgmma_rs_n64<1, 0>(uacc, a2[kk], fq_desc_sw128(sv + 2048 * kk, FQ_TILE, 1024), kk > 0);
+            for (int kk = 0; kk < K / 16; kk++) {
+                const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+                fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_sw128(sq + off, 16, 1024), fq_desc_sw128(sk + off, 16, 1024),
+                                      kk > 0);
             }
             fq_wgmma_commit();
-            /* group 2: P0 = Q K^T (both K-major; no outputs in MAP mode) */
-            if (!MAP) {
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++) {
-                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                    fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_sw128(sq + off, 16, 1024), fq_desc_sw128(sk + off, 16, 1024),
-                                          kk > 0);
-                }
-                fq_wgmma_commit();
-            }
-            if constexpr (MAP) fq_wgmma_wait<0>();
-            else fq_wgmma_wait<1>();
-            fq_reg_fence(uacc);
-            fq_reg_fence(wacc);
-
-            /* W: columns 0..63 into V's tile (V is read: its product is done), 64..127 into the W tile */
-#pragma unroll
-            for (int nb2 = 0; nb2 < K / 16; nb2++) {
-                const int nb = 2 * nb2;
-                unsigned char *tile = st + (nb < 8 ? SM::off_v : SM::off_w1);
-                fq_stsm_pairs(tile, w, nb & 7, fq_pack_bf16(wacc[4 * nb], wacc[4 * nb + 1]),
-                              fq_pack_bf16(wacc[4 * nb + 2], wacc[4 * nb + 3]),
-                              fq_pack_bf16(wacc[4 * nb + 4], wacc[4 * nb + 5]),
-                              fq_pack_bf16(wacc[4 * nb + 6], wacc[4 * nb + 7]));
-            }
-            /* U^T fp32 (an M block has U = 0: the chain starts from zeros) */
-            float *Us = (float *)(st + SM::off_u);
-            if (!mblk) {
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int r = 16 * w + g + 8 * h, v = 8 * nb + 2 * t;
-                        *fq_f32_tile(Us, v, r) = uacc[4 * nb + 2 * h];
-                        *fq_f32_tile(Us, v + 1, r) = uacc[4 * nb + 2 * h + 1];
-                    }
-            }
-            fq_fence_async_smem();
-            fq_mbar_arrive(&ready_w[s]);
-            if constexpr (!MAP) {
-            /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk), bf16, into the A'' tile (read
-             * into registers above by every warp: its product has been issued by all) */
             float gc[16], rkc[16], gr[2], pr[2];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
@@ -418,11 +341,10 @@ __global__ void __launch_bounds__(384, 1)
                                               : 0.f;
                         pk[q][h] = fq_pack_bf16(x[0], x[1]);
                     }
-                fq_stsm_pairs(st + SM::off_a, w, 2 * nb2, pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
+                fq_stsm_pairs(st + SM::off_u, w, 2 * nb2, pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
             }
             fq_fence_async_smem();
             fq_mbar_arrive(&ready_p[s]);
-            } /* !MAP */
         }
     } else {
         /* ------------------------------------------------------- chain ---- */
@@ -470,28 +392,18 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < nch; i++) {
             const int s = i % FQ_FUSED_STAGES;
             unsigned char *st = smem + s * SM::stage;
-            fq_mbar_wait(&ready_w[s], (i / FQ_FUSED_STAGES) & 1);
-            float *Us = (float *)(st + SM::off_u);
+            fq_mbar_wait(&ready_t[s], (i / FQ_FUSED_STAGES) & 1);
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
-            const float *qgv = rec + FQ_REC_QG, *kdv = rec + FQ_REC_KD;
-            float vacc[32], oacc[32];
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    float2 u = make_float2(0.f, 0.f);
-                    if (!mblk) u = *(const float2 *)fq_f32_tile(Us, 16 * w + g + 8 * h, 8 * nb + 2 * t);
-                    vacc[4 * nb + 2 * h] = u.x;
-                    vacc[4 * nb + 2 * h + 1] = u.y;
-                }
+            const float *qgv = rec + FQ_REC_QG, *kdv = rec + FQ_REC_KD, *fav = rec + FQ_REC_FA1;
+            float xacc[32], vacc[32], oacc[32];
             const uint32_t sq = fq_smem_u32(st + SM::off_q), sk = fq_smem_u32(st + SM::off_k);
-            const uint32_t sw0 = fq_smem_u32(st + SM::off_v), sw1 = fq_smem_u32(st + SM::off_w1);
-            const uint32_t sp = fq_smem_u32(st + SM::off_a);
+            const uint32_t sa = fq_smem_u32(st + SM::off_a), sp = fq_smem_u32(st + SM::off_u);
             fq_wgmma_fence();
-            /* group 1: Vn^T = U^T - S^T W^T (W K-major) */
+            /* group 1: X^T = S^T K^T (K K-major) */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++)
-                fq_wgmma_rs_n64<0, 1>(vacc, sb[kk], fq_desc_sw128((kk < 4 ? sw0 : sw1) + 32 * (kk & 3), 16, 1024), 1);
+                fq_wgmma_rs_n64<0, 0>(xacc, sb[kk], fq_desc_sw128(sk + (kk >> 2) * FQ_TILE + 32 * (kk & 3), 16, 1024),
+                                      kk > 0);
             fq_wgmma_commit();
             /* group 2: (Q S)^T = S^T Q^T (Q K-major; its row factors qg are applied below) */
             if (!MAP) {
@@ -501,6 +413,57 @@ __global__ void __launch_bounds__(384, 1)
                                           fq_desc_sw128(sq + (kk >> 2) * FQ_TILE + 32 * (kk & 3), 16, 1024), kk > 0);
                 fq_wgmma_commit();
             }
+            /* V^T in the accumulator layout (V [r][v]: 8 x 8 blocks transposed by
+             * ldmatrix; block (nb, h) = rows 8 nb.., columns 16 w + 8 h..), zeros
+             * for an M block */
+            uint32_t vt[16];
+            if (!mblk) {
+                const int m = lane >> 3;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int nb = 2 * q + (m >> 1), h = m & 1;
+                    fq_ldsm_x4_trans(&vt[4 * q], fq_smem_u32(st + SM::off_v +
+                                                             fq_sw128(8 * nb + (lane & 7), 2 * (16 * w + 8 * h))));
+                }
+            } else {
+#pragma unroll
+                for (int q = 0; q < 16; q++) vt[q] = 0u;
+            }
+            if constexpr (MAP) fq_wgmma_wait<0>();
+            else fq_wgmma_wait<1>();
+            fq_reg_fence(xacc);
+            /* Y^T = V^T - X^T diag(e^gamma rk), split into two bf16 parts (Y = Yh + Yl)
+             * as A fragments of the next product: Vn = A'' V - W S = A'' Y */
+            uint32_t yh[4][4], yl[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                float y[8];
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    const int nb = 2 * kk + q;
+                    const float f0 = fav[8 * nb + 2 * t], f1 = fav[8 * nb + 2 * t + 1];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        /* block (nb, h) of vt: matrix 2 (nb & 1) + h of ldmatrix nb >> 1 */
+                        const float2 vv = fq_unpack_bf16(vt[4 * (nb >> 1) + 2 * (nb & 1) + h]);
+                        y[4 * q + 2 * h] = vv.x - f0 * xacc[4 * nb + 2 * h];
+                        y[4 * q + 2 * h + 1] = vv.y - f1 * xacc[4 * nb + 2 * h + 1];
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    yh[kk][e] = fq_pack_bf16(y[2 * e], y[2 * e + 1]);
+                    const float2 hv = fq_unpack_bf16(yh[kk][e]);
+                    yl[kk][e] = fq_pack_bf16(y[2 * e] - hv.x, y[2 * e + 1] - hv.y);
+                }
+            }
+            fq_wgmma_fence();
+            /* group 3: Vn^T = Y^T A''^T = Yh^T A''^T + Yl^T A''^T (A'' K-major) */
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yh[kk], fq_desc_sw128(sa + 32 * kk, 16, 1024), kk > 0);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yl[kk], fq_desc_sw128(sa + 32 * kk, 16, 1024), 1);
+            fq_wgmma_commit();
             /* this thread's columns r = 8 nb + 2 t + e of kd */
             float kdc[16];
 #pragma unroll
@@ -508,9 +471,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int e = 0; e < 2; e++) kdc[2 * nb + e] = kdv[8 * nb + 2 * t + e];
             const float eC = rec[FQ_REC_EC];
-            if constexpr (MAP) fq_wgmma_wait<0>();
-            else fq_wgmma_wait<1>();
+            fq_wgmma_wait<0>();
             fq_reg_fence(vacc);
+            if (!MAP) fq_reg_fence(oacc);
             /* Vn (for P Vn) and diag(kd) Vn (for the update, so K stays raw) as A fragments */
             uint32_t vn[4][4], vnd[4][4];
 #pragma unroll
@@ -526,7 +489,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int e = 0; e < K / 2; e++) S[e] *= eC;
             fq_wgmma_fence();
-            /* group 3: S^T = e^{gamma_C} S^T + (diag(kd) Vn)^T K (K MN-major) */
+            /* group 4: S^T = e^{gamma_C} S^T + (diag(kd) Vn)^T K (K MN-major) */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 if constexpr (K == 128)
@@ -541,28 +504,26 @@ __global__ void __launch_bounds__(384, 1)
                 fq_reg_fence(S);
                 fq_mbar_arrive(&empty[s]);
             } else {
-            /* group 2 done (group 3 may still run): O^T = (Q S)^T diag(qg), then += Vn^T P^T */
+            /* group 2 is done (group 4 may still run): O^T = (Q S)^T diag(qg), then += Vn^T P^T */
             float qgc[16];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) qgc[2 * nb + e] = qgv[8 * nb + 2 * t + e];
-            fq_wgmma_wait<1>();
-            fq_reg_fence(oacc);
 #pragma unroll
             for (int nb = 0; nb < 8; nb++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= qgc[2 * nb + (e & 1)];
             fq_mbar_wait(&ready_p[s], (i / FQ_FUSED_STAGES) & 1);
             fq_wgmma_fence();
-            /* group 4: (P Vn)^T = Vn^T P^T (P K-major) */
+            /* group 5: (P Vn)^T = Vn^T P^T (P K-major) */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(oacc, vn[kk], fq_desc_sw128(sp + 32 * kk, 16, 1024), 1);
             fq_wgmma_commit();
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
             fq_reg_fence(oacc);
-            fq_named_bar(3, 128); /* every warp has read its U^T: the O staging may overwrite it */
+            fq_named_bar(3, 128); /* every warp is past its product with P: the O staging may overwrite it */
 
             /* O through U's place to global rows r < len */
             const int len = min(64, si.len - 64 * i);
@@ -610,6 +571,7 @@ __global__ void __launch_bounds__(384, 1)
                     fq_mbar_arrive(&empty[s]);
                 }
             } else {
+                float *Us = (float *)(st + SM::off_u);
 #pragma unroll
                 for (int nb = 0; nb < 8; nb++)
 #pragma unroll

@@ -60,7 +60,14 @@ def chunk_forward(q, k, v, g, beta, h0, scale, opt):
         Qg = bf16(Q * (scale * np.exp(gam))[:, None])
         Kd = bf16(Kc * np.exp(gam[-1] - gam)[:, None])
         Sb = bf16(S)
-        Vn = U - W @ Sb
+        if opt.get("vn") in ("ay", "ay2"):  # Vn = A'' (V - diag(e^gamma) K S): no W, no U
+            Y = f32(Vc) - np.exp(gam)[:, None] * (f32(Kc) @ Sb)
+            Yh = bf16(Y)
+            Vn = A2 @ Yh
+            if opt["vn"] == "ay2":            # Y split into two bf16 parts
+                Vn = Vn + A2 @ bf16(Y - Yh)
+        else:
+            Vn = U - W @ Sb
         Vnb = bf16(Vn)
         o[c0:c0 + 64] = bf16(Qg @ Sb + P @ Vnb)
         S = np.exp(gam[-1]) * S + Kd.T @ Vnb
