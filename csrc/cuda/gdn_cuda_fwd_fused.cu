@@ -59,23 +59,29 @@
 #define FQ_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
 
 /* Shared memory of one CTA. Per stage: Q (K/64 tiles), K (K/64 tiles), V,
- * A'', P then the O staging; then the barriers and the stages' gate records
- * (FQ_REC_*). */
+ * A''. Then, exchanged between the chain and the output warpgroup, double
+ * buffered by chunk parity: S^T at a chunk's start (bf16 [v][kd], K/64
+ * tiles) and Vn^T (bf16 [v][r]); the O staging (fp32: 64 rows of 68); the
+ * barriers and the stages' gate records (FQ_REC_*). */
 template <int K> struct fq_fused_smem {
     static constexpr int KT = K / 64;
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + KT * FQ_TILE;
-    static constexpr int off_v = off_k + KT * FQ_TILE; /* V */
-    static constexpr int off_a = off_v + FQ_TILE;      /* A'' */
-    static constexpr int off_u = off_a + FQ_TILE;      /* P (bf16 tile), then the O staging (fp32: 64 rows of 68) */
-    static constexpr int stage = off_u + 64 * 68 * 4;  /* a multiple of 1024 */
-    static constexpr int off_bar = FQ_FUSED_STAGES * stage; /* full, ready_t, ready_p, empty, checked */
-    static constexpr int off_chk = off_bar + (5 * FQ_FUSED_STAGES * 8 + 15) / 16 * 16; /* per stage: an int */
-    static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16;   /* per stage: the gate record */
+    static constexpr int off_v = off_k + KT * FQ_TILE;
+    static constexpr int off_a = off_v + FQ_TILE;
+    static constexpr int stage = off_a + FQ_TILE;
+    static constexpr int off_sb = FQ_FUSED_STAGES * stage;   /* 2 x S^T */
+    static constexpr int off_vn = off_sb + 2 * KT * FQ_TILE; /* 2 x Vn^T */
+    static constexpr int off_o = off_vn + 2 * FQ_TILE;       /* the O staging */
+    static constexpr int off_bar = off_o + 64 * 68 * 4;
+    /* per stage: full, empty, checked; per buffer: sb_full, sb_empty, vn_full, vn_empty */
+    static constexpr int nbar = 3 * FQ_FUSED_STAGES + 8;
+    static constexpr int off_chk = off_bar + (nbar * 8 + 15) / 16 * 16;            /* per stage: an int */
+    static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16; /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
     static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
     static constexpr uint32_t load_bytes = (2 * KT + 2) * FQ_TILE + rec_bytes;
-    static_assert(stage % 1024 == 0, "stages must keep the 1024-byte alignment of the tiles");
+    static_assert(stage % 1024 == 0 && off_o % 1024 == 0, "tiles keep their 1024-byte alignment");
 };
 
 /* MODE: what a CTA computes over its segment of chunks */
@@ -142,6 +148,13 @@ static __device__ __forceinline__ void fq_stsm_pairs(unsigned char *tile, int w,
     fq_stsm_x4(fq_smem_u32(tile + fq_sw128(row, 16 * (nb & 7))), p00, p01, p10, p11);
 }
 
+/* A descriptor moved by `bytes` (a multiple of 16): the start address is the
+ * low 14-bit field, and no tile crosses 256 KB, so the field cannot carry. */
+static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes)
+{
+    return d + (bytes >> 4);
+}
+
 #endif
 
 template <int K, int MODE>
@@ -157,15 +170,18 @@ __global__ void __launch_bounds__(384, 1)
     /* 1024-byte alignment for the SWIZZLE_128B tiles, by offset (the pointer
      * stays a shared-memory one: plain STS/LDS, not generic accesses) */
     unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
-    /* full: the stage's loads landed; ready_t: its tiles final (the prep has
-     * zeroed the rows that enter nothing); ready_p: P written (prep); empty:
-     * the chain is done with the stage */
+    /* full: the stage's loads landed; empty: the chain and the output
+     * warpgroup are done with the stage */
     uint64_t *full = (uint64_t *)(smem + SM::off_bar);
-    uint64_t *ready_t = full + FQ_FUSED_STAGES, *ready_p = ready_t + FQ_FUSED_STAGES;
-    uint64_t *empty = ready_p + FQ_FUSED_STAGES;
-    /* checked: the stage's V rows checked (issue 9), the record poisoned
-     * where they are not finite; chk: the checker's row minimum per stage */
+    uint64_t *empty = full + FQ_FUSED_STAGES;
+    /* checked: the stage's tiles final (issue 9: V rows checked, the record
+     * poisoned where they are not finite, the rows that enter nothing
+     * zeroed); chk: the checker's row minimum per stage */
     uint64_t *checked = empty + FQ_FUSED_STAGES;
+    /* per buffer b = chunk & 1: S^T of the chunk's start / its Vn^T written
+     * (chain), read (output warpgroup) */
+    uint64_t *sb_full = checked + FQ_FUSED_STAGES, *sb_empty = sb_full + 2;
+    uint64_t *vn_full = sb_empty + 2, *vn_empty = vn_full + 2;
     int *chk = (int *)(smem + SM::off_chk);
 
     constexpr int MAP = MODE == FQ_FUSED_MAP;
@@ -184,11 +200,15 @@ __global__ void __launch_bounds__(384, 1)
             /* full: the producer's one arrival plus the TMA bytes; the others:
              * every thread of the warpgroup arrives after its own accesses */
             fq_mbar_init(&full[s], 1);
-            fq_mbar_init(&ready_t[s], 128);
-            fq_mbar_init(&ready_p[s], 128);
-            fq_mbar_init(&empty[s], 128);
-            fq_mbar_init(&checked[s], 1);
+            fq_mbar_init(&empty[s], 256);
+            fq_mbar_init(&checked[s], 96);
             chk[s] = 64;
+        }
+        for (int b = 0; b < 2; b++) {
+            fq_mbar_init(&sb_full[b], 128);
+            fq_mbar_init(&sb_empty[b], 128);
+            fq_mbar_init(&vn_full[b], 128);
+            fq_mbar_init(&vn_empty[b], 128);
         }
         fq_mbar_init_fence();
         fq_tma_prefetch_desc(&tm_q);
@@ -231,25 +251,32 @@ __global__ void __launch_bounds__(384, 1)
              * in this CTA's 64 columns; from it on the stage's record is
              * poisoned as stage A poisons it for k, g, beta (qg = NaN: those o
              * rows come out NaN; e^{gamma_C} = NaN: the state after the chunk)
-             * and FQ_REC_F = min(f, fv) has the prep zero those tile rows.
-             * Off the critical path: the loads run up to three chunks ahead. */
+             * and FQ_REC_F = min(f, fv). Then the rows from zr = min(len, f)
+             * on enter nothing: the padding rows of a sequence's last chunk
+             * (rows of the next sequence) and the rows from the chunk's first
+             * non-finite k, g, beta (stage A) or v on (their NaN would reach
+             * earlier rows through the zeros of A and P): zeroed in the Q, K,
+             * V tiles before `checked` hands the stage to the compute
+             * warpgroups. Off the critical path: the loads run up to three
+             * chunks ahead. */
             const int tk = tid - 32, lane = tid & 31;
             for (int i = 0; i < nch; i++) {
                 const int s = i % FQ_FUSED_STAGES;
                 fq_mbar_wait(&full[s], (i / FQ_FUSED_STAGES) & 1);
-                const unsigned char *vt = smem + s * SM::stage + SM::off_v;
+                unsigned char *st = smem + s * SM::stage;
+                float *rec = (float *)(smem + SM::off_rec + s * SM::rec_bytes);
                 const int len = min(64, si.len - 64 * i);
                 int bad = 64;
                 if (!mblk) /* (a V row is 128 bytes; the swizzle permutes only inside a row) */
                     for (int idx = tk; idx < 8 * len; idx += 96)
-                        if (fq_bf16x8_nonfinite(*(const uint4 *)(vt + 16 * idx))) bad = min(bad, idx >> 3);
+                        if (fq_bf16x8_nonfinite(*(const uint4 *)(st + SM::off_v + 16 * idx))) bad = min(bad, idx >> 3);
                 bad = __reduce_min_sync(0xffffffffu, bad);
                 if (lane == 0 && bad < 64) atomicMin(&chk[s], bad);
                 fq_named_bar(4, 96);
-                if (tid < 64) { /* warp 1 */
-                    const int fv = chk[s];
-                    if (fv < 64) { /* warp-uniform, rare */
-                        float *rec = (float *)(smem + SM::off_rec + s * SM::rec_bytes);
+                const int fv = chk[s], fr = (int)rec[FQ_REC_F];
+                if (fv < 64) { /* uniform over the checkers, rare */
+                    fq_named_bar(4, 96); /* every checker has read fv and f */
+                    if (tid < 64) { /* warp 1 */
                         const float nan = __int_as_float(0x7fc00000);
                         if (lane >= fv) rec[FQ_REC_QG + lane] = nan;
                         if (lane + 32 >= fv) rec[FQ_REC_QG + lane + 32] = nan;
@@ -258,94 +285,171 @@ __global__ void __launch_bounds__(384, 1)
                             if ((float)fv < rec[FQ_REC_F]) rec[FQ_REC_F] = (float)fv;
                             chk[s] = 64;
                         }
-                        fq_fence_async_smem(); /* before a later TMA load overwrites the record */
-                        __syncwarp();
                     }
-                    if (lane == 0) fq_mbar_arrive(&checked[s]);
                 }
+                const int zr = min(len, min(fv, fr));
+                if (zr < 64) {
+                    /* zero rows zr.. of Q, K, V */
+                    const int nt = 2 * KT + 1, nrow = 64 - zr;
+                    for (int idx = tk; idx < nt * nrow * 8; idx += 96) {
+                        const int tile = idx / (nrow * 8), r = zr + (idx / 8) % nrow, c = idx % 8;
+                        unsigned char *tb = st + (tile < KT ? SM::off_q + tile * FQ_TILE
+                                                  : tile < 2 * KT ? SM::off_k + (tile - KT) * FQ_TILE
+                                                                  : SM::off_v);
+                        *(uint4 *)(tb + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+                    }
+                }
+                /* (the record and the tiles are read by wgmma / a later TMA load overwrites them) */
+                fq_fence_async_smem();
+                fq_mbar_arrive(&checked[s]);
             }
         }
     } else if (wg == 1) {
-        /* -------------------------------------------------------- prep ---- */
+        /* ------------------------------------------------------ output ---- */
         fq_setmaxnreg_inc232();
         const int tp = tid - 128, w = tp >> 5, lane = tp & 31, g = lane >> 2, t = lane & 3;
+        unsigned char *Os = smem + SM::off_o;
         for (int i = 0; i < nch; i++) {
-            const int s = i % FQ_FUSED_STAGES;
+            const int s = i % FQ_FUSED_STAGES, b = i & 1;
+            const uint32_t par = (i >> 1) & 1;
             unsigned char *st = smem + s * SM::stage;
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const int len = min(64, si.len - 64 * i);
-            /* the stage is ours once its loads landed and its V rows are checked
-             * (the chain is done with its last use) */
+            /* the stage's tiles are final once its V rows are checked (and rows zeroed) */
             fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
-            /* rows from zr on enter nothing: the padding rows of a sequence's last
-             * chunk (rows of the next sequence) and, from stage A's f, the rows
-             * from the chunk's first non-finite k, g, beta (stage A) or v (the
-             * checker) on (issue 9: their NaN would reach earlier rows through
-             * the zeros of A and P) */
-            const int zr = min(len, (int)rec[FQ_REC_F]);
-            if (zr < 64) {
-                /* zero rows zr.. of Q, K, V */
-                const int nt = 2 * KT + 1, nrow = 64 - zr;
-                for (int idx = tp; idx < nt * nrow * 8; idx += 128) {
-                    const int tile = idx / (nrow * 8), r = zr + (idx / 8) % nrow, c = idx % 8;
-                    unsigned char *tb = st + (tile < KT ? SM::off_q + tile * FQ_TILE
-                                              : tile < 2 * KT ? SM::off_k + (tile - KT) * FQ_TILE
-                                                              : SM::off_v);
-                    *(uint4 *)(tb + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
-                }
-                fq_fence_async_smem();
-                fq_named_bar(2, 128); /* (before this warpgroup's own products read them) */
+            if constexpr (MAP) {
+                fq_mbar_arrive(&empty[s]); /* no outputs: nothing to read here */
+                continue;
             }
-            fq_mbar_arrive(&ready_t[s]); /* the chain reads the tiles from here on */
-            if constexpr (MAP) continue; /* no outputs: nothing else to prepare */
 
-            /* P = lower_incl(Q K^T ⊙ Gamma) diag(scale rq) . diag(rk), bf16, into the stage's P tile */
-            float pacc[32];
-            const uint32_t sq = fq_smem_u32(st + SM::off_q), sk = fq_smem_u32(st + SM::off_k);
+            /* P0 = Q K^T (Q and K K-major, M = the chunk's rows) */
+            float pacc[32], oacc[32];
+            const uint64_t dq = fq_desc_sw128(fq_smem_u32(st + SM::off_q), 16, 1024);
+            const uint64_t dk = fq_desc_sw128(fq_smem_u32(st + SM::off_k), 16, 1024);
+            const uint64_t ds = fq_desc_sw128(fq_smem_u32(smem + SM::off_sb + b * KT * FQ_TILE), 16, 1024);
+            const uint64_t dv = fq_desc_sw128(fq_smem_u32(smem + SM::off_vn + b * FQ_TILE), 16, 1024);
             fq_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) {
                 const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_sw128(sq + off, 16, 1024), fq_desc_sw128(sk + off, 16, 1024),
-                                      kk > 0);
+                fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_at(dq, off), fq_desc_at(dk, off), kk > 0);
             }
             fq_wgmma_commit();
-            float gc[16], rkc[16], gr[2], pr[2];
+            /* O = Q S at the chunk's start (S^T from the chain, [v][kd]: K-major) */
+            fq_mbar_wait(&sb_full[b], par);
+            fq_wgmma_fence();
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
+            for (int kk = 0; kk < K / 16; kk++) {
+                const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+                fq_wgmma_ss_n64<0, 0>(oacc, fq_desc_at(dq, off), fq_desc_at(ds, off), kk > 0);
+            }
+            fq_wgmma_commit();
+            /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk) as bf16 A fragments of P Vn */
+            float gc[16], rkc[16], gr[2], pr[2], qr[2];
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    gc[2 * nb + e] = rec[FQ_REC_G2 + 8 * nb + 2 * t + e];
-                    rkc[2 * nb + e] = rec[FQ_REC_RK + 8 * nb + 2 * t + e];
-                }
+            for (int nb = 0; nb < 8; nb++) {
+                const float2 gg = *(const float2 *)(rec + FQ_REC_G2 + 8 * nb + 2 * t);
+                const float2 rr = *(const float2 *)(rec + FQ_REC_RK + 8 * nb + 2 * t);
+                gc[2 * nb] = gg.x, gc[2 * nb + 1] = gg.y;
+                rkc[2 * nb] = rr.x, rkc[2 * nb + 1] = rr.y;
+            }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 gr[h] = rec[FQ_REC_G2 + 16 * w + g + 8 * h];
                 pr[h] = rec[FQ_REC_PRQ + 16 * w + g + 8 * h];
+                qr[h] = rec[FQ_REC_QG + 16 * w + g + 8 * h];
             }
-            fq_wgmma_wait<0>();
+            fq_wgmma_wait<1>();
             fq_reg_fence(pacc);
 #pragma unroll
-            for (int nb2 = 0; nb2 < 4; nb2++) {
-                uint32_t pk[2][2];
+            for (int nb = 0; nb < 8; nb++)
 #pragma unroll
-                for (int q = 0; q < 2; q++)
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1, r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t + (e & 1);
+                    pacc[4 * nb + e] = c <= r ? pacc[4 * nb + e] * pr[h] * rkc[2 * nb + (e & 1)] *
+                                                    exp2f(gr[h] - gc[2 * nb + (e & 1)])
+                                              : 0.f;
+                }
+            uint32_t pf[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) fq_acc_to_a(pf[kk], &pacc[8 * kk], 1.f);
+            fq_wgmma_wait<0>();
+            fq_reg_fence(oacc);
+            fq_mbar_arrive(&sb_empty[b]); /* S^T read */
+            fq_mbar_arrive(&empty[s]);    /* Q, K and the record read */
+            /* O = diag(qg) Q S (+ P Vn below) */
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= qr[e >> 1];
+            fq_mbar_wait(&vn_full[b], par);
+            fq_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(oacc, pf[kk], fq_desc_at(dv, 32 * kk), 1);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(oacc);
+            fq_mbar_arrive(&vn_empty[b]); /* Vn^T read */
+
+            /* O through the staging to global rows r < len; the staging is free
+             * once the last tile store has read it */
+            if (tp == 0) fq_bulk_wait_read0();
+            fq_named_bar(3, 128);
+            if (args.odt != FQ_F32) {
+                /* 16-bit: O [r][v] pairs by stmatrix, SWIZZLE_128B rows */
+                const int is_bf16 = args.odt == FQ_BF16;
+#pragma unroll
+                for (int nb2 = 0; nb2 < 4; nb2++) {
+                    uint32_t pk[4];
+#pragma unroll
+                    for (int m = 0; m < 4; m++) {
+                        const int ix = 4 * (2 * nb2 + (m >> 1)) + 2 * (m & 1);
+                        if (is_bf16) {
+                            pk[m] = fq_pack_bf16(oacc[ix], oacc[ix + 1]);
+                        } else {
+                            __half2 hx = __floats2half2_rn(oacc[ix], oacc[ix + 1]);
+                            pk[m] = *(uint32_t *)&hx;
+                        }
+                    }
+                    fq_stsm_pairs(Os, w, 2 * nb2, pk[0], pk[1], pk[2], pk[3]);
+                }
+                if (len == 64 && args.o_tma) {
+                    /* one thread stores the tile (TMA); its read is waited for before the next chunk's staging */
+                    fq_fence_async_smem();
+                    fq_named_bar(3, 128);
+                    if (tp == 0) {
+                        fq_tma_store_3d(&tm_o, Os, 64 * vb, j, si.bos + 64 * i);
+                        fq_bulk_commit();
+                    }
+                } else {
+                    fq_named_bar(3, 128);
+                    uint16_t *orow = (uint16_t *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * args.V + 64 * vb;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int piece = tp + 128 * q, r = piece >> 3, c8 = piece & 7;
+                        if (r < len)
+                            *(uint4 *)(orow + (int64_t)r * HV * args.V + 8 * c8) = *(const uint4 *)(Os + fq_sw128(r, 16 * c8));
+                    }
+                }
+            } else {
+                float *Us = (float *)Os;
+#pragma unroll
+                for (int nb = 0; nb < 8; nb++)
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const int nb = 2 * nb2 + q, r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t;
-                        float x[2];
-#pragma unroll
-                        for (int e = 0; e < 2; e++)
-                            x[e] = c + e <= r ? pacc[4 * nb + 2 * h + e] * pr[h] * rkc[2 * nb + e] *
-                                                    exp2f(gr[h] - gc[2 * nb + e])
-                                              : 0.f;
-                        pk[q][h] = fq_pack_bf16(x[0], x[1]);
+                        const int r = 16 * w + g + 8 * h, v = 8 * nb + 2 * t;
+                        *(float2 *)fq_f32_tile(Us, r, v) = make_float2(oacc[4 * nb + 2 * h], oacc[4 * nb + 2 * h + 1]);
                     }
-                fq_stsm_pairs(st + SM::off_u, w, 2 * nb2, pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
+                fq_named_bar(3, 128);
+                float *orow = (float *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * args.V + 64 * vb;
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const int piece = tp + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
+                    if (r < len) *(float4 *)(orow + (int64_t)r * HV * args.V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
+                }
             }
-            fq_fence_async_smem();
-            fq_mbar_arrive(&ready_p[s]);
         }
+        if (tp == 0) fq_bulk_wait0(); /* the last tile stores are complete */
     } else {
         /* ------------------------------------------------------- chain ---- */
         fq_setmaxnreg_inc232();
@@ -388,31 +492,36 @@ __global__ void __launch_bounds__(384, 1)
         uint32_t sb[K / 16][4];
 #pragma unroll
         for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
+        /* S^T (bf16, [v][kd]) of the chunk's start for the output warpgroup's Q S,
+         * into buffer b once the output warpgroup has read what was there */
+        auto hand_state = [&](int c) {
+            const int b = c & 1;
+            if (c >= 2) fq_mbar_wait(&sb_empty[b], ((c >> 1) - 1) & 1);
+            unsigned char *tb = smem + SM::off_sb + b * KT * FQ_TILE;
+#pragma unroll
+            for (int kk = 0; kk < K / 16; kk++)
+                fq_stsm_pairs(tb + (kk >> 2) * FQ_TILE, w, (2 * kk) & 7, sb[kk][0], sb[kk][1], sb[kk][2], sb[kk][3]);
+            fq_fence_async_smem();
+            fq_mbar_arrive(&sb_full[b]);
+        };
+        if (!MAP && nch > 0) hand_state(0);
 
         for (int i = 0; i < nch; i++) {
-            const int s = i % FQ_FUSED_STAGES;
+            const int s = i % FQ_FUSED_STAGES, b = i & 1;
             unsigned char *st = smem + s * SM::stage;
-            fq_mbar_wait(&ready_t[s], (i / FQ_FUSED_STAGES) & 1);
+            fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
-            const float *qgv = rec + FQ_REC_QG, *kdv = rec + FQ_REC_KD, *fav = rec + FQ_REC_FA1;
-            float xacc[32], vacc[32], oacc[32];
-            const uint32_t sq = fq_smem_u32(st + SM::off_q), sk = fq_smem_u32(st + SM::off_k);
-            const uint32_t sa = fq_smem_u32(st + SM::off_a), sp = fq_smem_u32(st + SM::off_u);
+            const float *kdv = rec + FQ_REC_KD, *fav = rec + FQ_REC_FA1;
+            float xacc[32], vacc[32];
+            const uint64_t dk = fq_desc_sw128(fq_smem_u32(st + SM::off_k), 16, 1024);
+            const uint64_t dkm = fq_desc_sw128(fq_smem_u32(st + SM::off_k), FQ_TILE, 1024);
+            const uint64_t da = fq_desc_sw128(fq_smem_u32(st + SM::off_a), 16, 1024);
             fq_wgmma_fence();
             /* group 1: X^T = S^T K^T (K K-major) */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++)
-                fq_wgmma_rs_n64<0, 0>(xacc, sb[kk], fq_desc_sw128(sk + (kk >> 2) * FQ_TILE + 32 * (kk & 3), 16, 1024),
-                                      kk > 0);
+                fq_wgmma_rs_n64<0, 0>(xacc, sb[kk], fq_desc_at(dk, (kk >> 2) * FQ_TILE + 32 * (kk & 3)), kk > 0);
             fq_wgmma_commit();
-            /* group 2: (Q S)^T = S^T Q^T (Q K-major; its row factors qg are applied below) */
-            if (!MAP) {
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++)
-                    fq_wgmma_rs_n64<0, 0>(oacc, sb[kk],
-                                          fq_desc_sw128(sq + (kk >> 2) * FQ_TILE + 32 * (kk & 3), 16, 1024), kk > 0);
-                fq_wgmma_commit();
-            }
             /* V^T in the accumulator layout (V [r][v]: 8 x 8 blocks transposed by
              * ldmatrix; block (nb, h) = rows 8 nb.., columns 16 w + 8 h..), zeros
              * for an M block */
@@ -429,8 +538,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int q = 0; q < 16; q++) vt[q] = 0u;
             }
-            if constexpr (MAP) fq_wgmma_wait<0>();
-            else fq_wgmma_wait<1>();
+            float fac[16];
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                const float2 f = *(const float2 *)(fav + 8 * nb + 2 * t);
+                fac[2 * nb] = f.x, fac[2 * nb + 1] = f.y;
+            }
+            fq_wgmma_wait<0>();
             fq_reg_fence(xacc);
             /* Y^T = V^T - X^T diag(e^gamma rk), split into two bf16 parts (Y = Yh + Yl)
              * as A fragments of the next product: Vn = A'' V - W S = A'' Y */
@@ -441,13 +555,12 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int q = 0; q < 2; q++) {
                     const int nb = 2 * kk + q;
-                    const float f0 = fav[8 * nb + 2 * t], f1 = fav[8 * nb + 2 * t + 1];
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         /* block (nb, h) of vt: matrix 2 (nb & 1) + h of ldmatrix nb >> 1 */
                         const float2 vv = fq_unpack_bf16(vt[4 * (nb >> 1) + 2 * (nb & 1) + h]);
-                        y[4 * q + 2 * h] = vv.x - f0 * xacc[4 * nb + 2 * h];
-                        y[4 * q + 2 * h + 1] = vv.y - f1 * xacc[4 * nb + 2 * h + 1];
+                        y[4 * q + 2 * h] = vv.x - fac[2 * nb] * xacc[4 * nb + 2 * h];
+                        y[4 * q + 2 * h + 1] = vv.y - fac[2 * nb + 1] * xacc[4 * nb + 2 * h + 1];
                     }
                 }
 #pragma unroll
@@ -458,22 +571,22 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
             fq_wgmma_fence();
-            /* group 3: Vn^T = Y^T A''^T = Yh^T A''^T + Yl^T A''^T (A'' K-major) */
+            /* group 2: Vn^T = Y^T A''^T = Yh^T A''^T + Yl^T A''^T (A'' K-major) */
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yh[kk], fq_desc_sw128(sa + 32 * kk, 16, 1024), kk > 0);
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yh[kk], fq_desc_at(da, 32 * kk), kk > 0);
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yl[kk], fq_desc_sw128(sa + 32 * kk, 16, 1024), 1);
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yl[kk], fq_desc_at(da, 32 * kk), 1);
             fq_wgmma_commit();
             /* this thread's columns r = 8 nb + 2 t + e of kd */
             float kdc[16];
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) kdc[2 * nb + e] = kdv[8 * nb + 2 * t + e];
+            for (int nb = 0; nb < 8; nb++) {
+                const float2 f = *(const float2 *)(kdv + 8 * nb + 2 * t);
+                kdc[2 * nb] = f.x, kdc[2 * nb + 1] = f.y;
+            }
             const float eC = rec[FQ_REC_EC];
             fq_wgmma_wait<0>();
             fq_reg_fence(vacc);
-            if (!MAP) fq_reg_fence(oacc);
             /* Vn (for P Vn) and diag(kd) Vn (for the update, so K stays raw) as A fragments */
             uint32_t vn[4][4], vnd[4][4];
 #pragma unroll
@@ -489,119 +602,41 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int e = 0; e < K / 2; e++) S[e] *= eC;
             fq_wgmma_fence();
-            /* group 4: S^T = e^{gamma_C} S^T + (diag(kd) Vn)^T K (K MN-major) */
+            /* group 3: S^T = e^{gamma_C} S^T + (diag(kd) Vn)^T K (K MN-major) */
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 if constexpr (K == 128)
-                    fq_wgmma_rs_n128<1, 0>(S, vnd[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), 1);
+                    fq_wgmma_rs_n128<1, 0>(S, vnd[kk], fq_desc_at(dkm, 2048 * kk), 1);
                 else
-                    fq_wgmma_rs_n64<1, 0>(S, vnd[kk], fq_desc_sw128(sk + 2048 * kk, FQ_TILE, 1024), 1);
+                    fq_wgmma_rs_n64<1, 0>(S, vnd[kk], fq_desc_at(dkm, 2048 * kk), 1);
             }
             fq_wgmma_commit();
-            if constexpr (MAP) {
-                /* no outputs: the stage is free once the update has read K */
-                fq_wgmma_wait<0>();
-                fq_reg_fence(S);
-                fq_mbar_arrive(&empty[s]);
-            } else {
-            /* group 2 is done (group 4 may still run): O^T = (Q S)^T diag(qg), then += Vn^T P^T */
-            float qgc[16];
+            if (!MAP) {
+                /* Vn^T (bf16 [v][r]) for the output warpgroup's P Vn, while the update runs */
+                if (i >= 2) fq_mbar_wait(&vn_empty[b], ((i >> 1) - 1) & 1);
+                unsigned char *tb = smem + SM::off_vn + b * FQ_TILE;
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) qgc[2 * nb + e] = qgv[8 * nb + 2 * t + e];
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= qgc[2 * nb + (e & 1)];
-            fq_mbar_wait(&ready_p[s], (i / FQ_FUSED_STAGES) & 1);
-            fq_wgmma_fence();
-            /* group 5: (P Vn)^T = Vn^T P^T (P K-major) */
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(oacc, vn[kk], fq_desc_sw128(sp + 32 * kk, 16, 1024), 1);
-            fq_wgmma_commit();
+                for (int kk = 0; kk < 4; kk++) fq_stsm_pairs(tb, w, 2 * kk, vn[kk][0], vn[kk][1], vn[kk][2], vn[kk][3]);
+                fq_fence_async_smem();
+                fq_mbar_arrive(&vn_full[b]);
+            }
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
-            fq_reg_fence(oacc);
-            fq_named_bar(3, 128); /* every warp is past its product with P: the O staging may overwrite it */
-
-            /* O through U's place to global rows r < len */
-            const int len = min(64, si.len - 64 * i);
-            if (args.odt != FQ_F32) {
-                /* 16-bit: the O^T pairs stored transposed (stmatrix) as O [r][v], SWIZZLE_128B rows */
-                unsigned char *Os = st + SM::off_u;
-                const int is_bf16 = args.odt == FQ_BF16;
-#pragma unroll
-                for (int nb2 = 0; nb2 < 4; nb2++) {
-                    uint32_t pk[4];
-#pragma unroll
-                    for (int m = 0; m < 4; m++) {
-                        const int ix = 4 * (2 * nb2 + (m >> 1)) + 2 * (m & 1);
-                        if (is_bf16) {
-                            pk[m] = fq_pack_bf16(oacc[ix], oacc[ix + 1]);
-                        } else {
-                            __half2 hx = __floats2half2_rn(oacc[ix], oacc[ix + 1]);
-                            pk[m] = *(uint32_t *)&hx;
-                        }
-                    }
-                    /* matrix m = 2 (nb - 2 nb2) + h: stored rows r = 8 nb.., columns v = 16 w + 8 h.. */
-                    const int i4 = lane >> 3, nb = 2 * nb2 + (i4 >> 1), h = i4 & 1;
-                    fq_stsm_x4_t(fq_smem_u32(Os + fq_sw128(8 * nb + (lane & 7), 2 * (16 * w + 8 * h))), pk[0], pk[1],
-                                 pk[2], pk[3]);
-                }
-                if (len == 64 && args.o_tma) {
-                    /* one thread stores the tile (TMA) and releases the stage once it is read */
-                    fq_fence_async_smem();
-                    fq_named_bar(3, 128);
-                    if (tc == 0) {
-                        fq_tma_store_3d(&tm_o, Os, 64 * vb, j, si.bos + 64 * i);
-                        fq_bulk_commit();
-                        fq_bulk_wait_read0();
-                    }
-                    fq_mbar_arrive(&empty[s]);
-                } else {
-                    fq_named_bar(3, 128);
-                    uint16_t *orow = (uint16_t *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * V + 64 * vb;
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const int piece = tc + 128 * q, r = piece >> 3, c8 = piece & 7;
-                        if (r < len)
-                            *(uint4 *)(orow + (int64_t)r * HV * V + 8 * c8) = *(const uint4 *)(Os + fq_sw128(r, 16 * c8));
-                    }
-                    fq_mbar_arrive(&empty[s]);
-                }
-            } else {
-                float *Us = (float *)(st + SM::off_u);
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int v = 16 * w + g + 8 * h, r = 8 * nb + 2 * t, ix = 4 * nb + 2 * h;
-                        *fq_f32_tile(Us, r, v) = oacc[ix];
-                        *fq_f32_tile(Us, r + 1, v) = oacc[ix + 1];
-                    }
-                fq_named_bar(3, 128);
-                float *orow = (float *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * V + 64 * vb;
-#pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    const int piece = tc + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
-                    if (r < len) *(float4 *)(orow + (int64_t)r * HV * V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
-                }
-                fq_mbar_arrive(&empty[s]);
-            }
-            /* [serving] prefix-cache checkpoint: the state after c = cfirst + i + 1
-             * chunks of the sequence, when c is a multiple of ck_chunks and the
-             * chunk is full (gdn.h: the state after c * checkpoint_every tokens) */
-            const int c = si.cfirst + i + 1;
-            if (args.ckpt && len == 64 && c % args.ck_chunks == 0) {
-                float *ck = args.ckpt + ((args.cu_ck[si.seq] + c / args.ck_chunks - 1) * HV + j) * (int64_t)K * V;
-                fq_chain_store_state<K>(S, ck, 64 * vb, V, args.vk, w, g, t);
-            }
-            } /* FULL */
+            fq_mbar_arrive(&empty[s]); /* K, V, A'' and the record read */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
+            if constexpr (!MAP) {
+                if (i + 1 < nch) hand_state(i + 1);
+                /* [serving] prefix-cache checkpoint: the state after c = cfirst + i + 1
+                 * chunks of the sequence, when c is a multiple of ck_chunks and the
+                 * chunk is full (gdn.h: the state after c * checkpoint_every tokens) */
+                const int c = si.cfirst + i + 1, len = min(64, si.len - 64 * i);
+                if (args.ckpt && len == 64 && c % args.ck_chunks == 0) {
+                    float *ck = args.ckpt + ((args.cu_ck[si.seq] + c / args.ck_chunks - 1) * HV + j) * (int64_t)K * V;
+                    fq_chain_store_state<K>(S, ck, 64 * vb, V, args.vk, w, g, t);
+                }
+            }
         }
-        if (tc == 0) fq_bulk_wait0(); /* the last tile stores are complete */
         /* the end state: MAP: columns 64 cb.. of the segment's [M | D]; FULL: ht
          * when the segment ends its sequence */
         float *dst = NULL;
