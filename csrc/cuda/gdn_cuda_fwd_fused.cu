@@ -504,7 +504,6 @@ __global__ void __launch_bounds__(384, 1)
             fq_fence_async_smem();
             fq_mbar_arrive(&sb_full[b]);
         };
-        if (!MAP && nch > 0) hand_state(0);
 
         for (int i = 0; i < nch; i++) {
             const int s = i % FQ_FUSED_STAGES, b = i & 1;
@@ -516,15 +515,9 @@ __global__ void __launch_bounds__(384, 1)
             const uint64_t dk = fq_desc_sw128(fq_smem_u32(st + SM::off_k), 16, 1024);
             const uint64_t dkm = fq_desc_sw128(fq_smem_u32(st + SM::off_k), FQ_TILE, 1024);
             const uint64_t da = fq_desc_sw128(fq_smem_u32(st + SM::off_a), 16, 1024);
-            fq_wgmma_fence();
-            /* group 1: X^T = S^T K^T (K K-major) */
-#pragma unroll
-            for (int kk = 0; kk < K / 16; kk++)
-                fq_wgmma_rs_n64<0, 0>(xacc, sb[kk], fq_desc_at(dk, (kk >> 2) * FQ_TILE + 32 * (kk & 3)), kk > 0);
-            fq_wgmma_commit();
             /* V^T in the accumulator layout (V [r][v]: 8 x 8 blocks transposed by
              * ldmatrix; block (nb, h) = rows 8 nb.., columns 16 w + 8 h..), zeros
-             * for an M block */
+             * for an M block; loaded first, used after group 1 */
             uint32_t vt[16];
             if (!mblk) {
                 const int m = lane >> 3;
@@ -538,6 +531,14 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
                 for (int q = 0; q < 16; q++) vt[q] = 0u;
             }
+            fq_wgmma_fence();
+            /* group 1: X^T = S^T K^T (K K-major) */
+#pragma unroll
+            for (int kk = 0; kk < K / 16; kk++)
+                fq_wgmma_rs_n64<0, 0>(xacc, sb[kk], fq_desc_at(dk, (kk >> 2) * FQ_TILE + 32 * (kk & 3)), kk > 0);
+            fq_wgmma_commit();
+            /* S^T of this chunk's start to the output warpgroup, while group 1 runs */
+            if (!MAP) hand_state(i);
             float fac[16];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
@@ -626,7 +627,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
             if constexpr (!MAP) {
-                if (i + 1 < nch) hand_state(i + 1);
                 /* [serving] prefix-cache checkpoint: the state after c = cfirst + i + 1
                  * chunks of the sequence, when c is a multiple of ck_chunks and the
                  * chunk is full (gdn.h: the state after c * checkpoint_every tokens) */
