@@ -4,33 +4,36 @@
  * or Vn ever goes to global memory. Per CTA one (sequence n, value head j,
  * block of 64 state columns vb); per chunk of the sequence, in order:
  *
- *   Vn = U - W S          U = A'' V,  W = A' K,  A'' = A diag(beta),  A' = A'' diag(e^gamma rk)
+ *   Vn = A'' Y,   Y = V - diag(e^gamma rk) K S     (= U - W S with U = A'' V, W = A'' diag(e^gamma rk) K)
  *   O  = diag(qg) Q S + P Vn,   qg = scale e^gamma rq,
  *                               P = lower_incl(Q K^T ⊙ Gamma) scale diag(rq) . diag(rk)
  *   S  = e^{gamma_C} S + K^T diag(kd) Vn,   kd = e^{gamma_C - gamma} rk
  *
- * with A = (I + L)^-1 (stored as A'') and the gate record {gamma, beta, rk,
- * rq} from fq_fwd_inverse_kernel (gdn_cuda_fwd_wy.cu), run just before. Q
- * and K are used as loaded: their row factors qg, kd are applied to the
- * chain's register operands and accumulators instead.
+ * with A'' = A diag(beta), A = (I + L)^-1 and the gate record {gamma, beta,
+ * rk, rq, ...} from fq_fwd_inverse_kernel (gdn_cuda_fwd_wy.cu), run just
+ * before. Q and K are used as loaded: their row factors are applied to
+ * register operands and accumulators instead. Y goes into its product as two
+ * bf16 parts (Y = Yh + Yl; one part alone would cost ~0.3e-3 of the
+ * forward's 5e-3 error budget, dev/cuda/sim_fwd_fused_numerics.py).
  *
- * Three warpgroups (384 threads), one CTA per SM (216 KB of shared memory at
- * K = 128: three stages of 72 KB):
+ * Three warpgroups (384 threads), one CTA per SM (~215 KB of shared memory at
+ * K = 128: three stages of 48 KB plus the exchange buffers):
  *   WG0, producer: one thread issues the TMA loads of a chunk's Q, K, V
- *        (this CTA's 64 columns) and A tiles into the stage's buffers
- *        (mbarrier `full`), three chunks deep; setmaxnreg 40.
- *   WG1, prep: the S-independent work of a chunk, one chunk ahead of WG2:
- *        P = Q K^T, U = A'' V, W = A' K on wgmma (A'', A' as register
- *        operands), then P (masked, gated, bf16) into the A'' tile, W into
- *        V's tile and one of its own (stmatrix), U^T in fp32 and the row
- *        factors qg, kd; signals `ready`.
+ *        (this CTA's 64 columns) and A'' tiles and its gate record into the
+ *        stage (mbarrier `full`), three chunks deep; warps 1..3 check V for
+ *        non-finite rows and zero the rows that enter nothing (`checked`);
+ *        setmaxnreg 40.
+ *   WG1, output: P = Q K^T (masked, gated, bf16 A fragments in registers),
+ *        O = Q S (S^T handed over by the chain at the chunk's start, read
+ *        by wgmma from shared memory) scaled by qg, + P Vn (Vn^T from the
+ *        chain), O by TMA store through the staging tile.
  *   WG2, chain: the state, S^T (64 columns x K) as wgmma accumulators in
- *        registers, never in shared or global memory:
- *          Vn^T = U^T - S^T W^T          (A = S^T bf16 from registers, B = W)
- *          O^T  = S^T Q^T diag(qg) + Vn^T P^T
+ *        registers, never in global memory:
+ *          X^T  = S^T K^T                    (A = S^T bf16 from registers)
+ *          Vn^T = Y^T A''^T,  Y^T = V^T - X^T diag(e^gamma rk)
  *          S^T  = e^{gamma_C} S^T + (diag(kd) Vn)^T K
- *        then O (stmatrix, transposed) through shared memory to global, and
- *        `empty` for the stage.
+ *        handing S^T (at each chunk's start) and Vn^T to WG1 through
+ *        double-buffered shared memory (sb_/vn_ full/empty), and `empty`.
  *
  * Shared-memory tiles are SWIZZLE_128B, 64 x 64 bf16 (8 KB), as TMA writes
  * them; gdn_cuda_hopper.cuh explains the operand descriptors. Padding rows of
@@ -111,9 +114,8 @@ struct fq_fused_args {
 
 #if FQ_SM90A
 /* A 64 x 64 fp32 tile in shared memory, [row][col] with rows of 68 floats
- * (the padding keeps the fragment stores and float2/float4 loads below free
- * of bank conflicts, and every offset an immediate). U^T is kept as [v][r]:
- * the chain reads float2 pairs of r. */
+ * (the padding keeps the fragment stores and float4 loads below free of bank
+ * conflicts, and every offset an immediate): the O staging of fp32 outputs. */
 #define FQ_F32_LD 68
 static __device__ __forceinline__ float *fq_f32_tile(float *U, int row, int col)
 {
