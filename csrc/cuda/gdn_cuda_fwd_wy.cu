@@ -204,21 +204,24 @@ static __device__ __forceinline__ void fq_wy_load_rows(fq_bf16 *dst, const fq_bf
     }
 }
 
-/* acc = block row `warp` of K K^T (rows 16 warp.., column blocks 0..warp; the
+/* acc = block row `row` of K K^T (rows 16 row.., column blocks 0..row; the
  * blocks above stay zero) as mma.sync accumulators, acc[n] the n8 block n, from
- * the bf16 K tile Ks [64][LDK] in shared memory. Shared by every stage A kernel. */
-template <int K, int LDK>
-static __device__ __forceinline__ void fq_kkt_block_row(float (*acc)[4], const fq_bf16 *Ks, int warp)
+ * the bf16 K tile Ks [64][LDK] in shared memory. Shared by every stage A kernel:
+ * the blocked and persistent ones pass the warp as `row` (WMAX = 3: products
+ * above it are predicated off, still issued), fq_fwd_inverse_kernel the row
+ * at compile time (row = WMAX: a warp issues only its 16 (row + 1)). */
+template <int K, int LDK, int WMAX>
+static __device__ __forceinline__ void fq_kkt_block_row(float (*acc)[4], const fq_bf16 *Ks, int row)
 {
 #pragma unroll
     for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < K / 16; kk++) {
         uint32_t a[4];
-        fq_frag_a(a, Ks, LDK, 16 * warp, 16 * kk);
+        fq_frag_a(a, Ks, LDK, 16 * row, 16 * kk);
 #pragma unroll
-        for (int n2 = 0; n2 < 4; n2++) {
-            if (n2 > warp) continue;
+        for (int n2 = 0; n2 <= WMAX; n2++) {
+            if (n2 > row) continue;
             uint32_t b[4];
             fq_frag_b_nk(b, Ks, LDK, 16 * n2, 16 * kk);
             fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
@@ -243,7 +246,7 @@ static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf,
 {
     constexpr int LDF = FQ_WY_LDF;
     float acc[8][4];
-    fq_kkt_block_row<K, LDK>(acc, Ks, warp);
+    fq_kkt_block_row<K, LDK, 3>(acc, Ks, warp);
     int bad[2] = {0, 0};
 #pragma unroll
     for (int n = 0; n < 8; n++) {
@@ -912,29 +915,6 @@ static __device__ __forceinline__ void fq_inv_mm(float (*d)[4], const uint32_t a
     }
 }
 
-/* Block row W of K K^T (rows 16 W.., column blocks 0..W, the blocks above
- * zero) as mma.sync accumulators, from the K tile Ks [64][LDK]: as
- * fq_kkt_block_row, with the row known at compile time so that a warp issues
- * only its own 16 (W + 1) products (a run-time bound predicates all 64 on). */
-template <int K, int LDK, int W>
-static __device__ __forceinline__ void fq_inv_kkt_rows(float (*acc)[4], const fq_bf16 *Ks)
-{
-#pragma unroll
-    for (int n = 0; n < 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
-        uint32_t a[4];
-        fq_frag_a(a, Ks, LDK, 16 * W, 16 * kk);
-#pragma unroll
-        for (int n2 = 0; n2 <= W; n2++) {
-            uint32_t b[4];
-            fq_frag_b_nk(b, Ks, LDK, 16 * n2, 16 * kk);
-            fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
-            fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
-        }
-    }
-}
-
 /* C fragments of two n8 blocks (16 x 16) -> the bf16 A fragment, times s. */
 static __device__ __forceinline__ void fq_inv_c2a(uint32_t a[4], const float (*c)[4], float s)
 {
@@ -1333,10 +1313,10 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
                 const fq_bf16 *Ks = (const fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k));
                 float l[8][4];
                 switch (warp) {
-                case 0: fq_inv_kkt_rows<K, SM::LDK, 0>(l, Ks); break;
-                case 1: fq_inv_kkt_rows<K, SM::LDK, 1>(l, Ks); break;
-                case 2: fq_inv_kkt_rows<K, SM::LDK, 2>(l, Ks); break;
-                default: fq_inv_kkt_rows<K, SM::LDK, 3>(l, Ks); break;
+                case 0: fq_kkt_block_row<K, SM::LDK, 0>(l, Ks, 0); break;
+                case 1: fq_kkt_block_row<K, SM::LDK, 1>(l, Ks, 1); break;
+                case 2: fq_kkt_block_row<K, SM::LDK, 2>(l, Ks, 2); break;
+                default: fq_kkt_block_row<K, SM::LDK, 3>(l, Ks, 3); break;
                 }
                 __syncthreads(); /* every warp is done reading the K tile (which the fragments may replace) */
 #pragma unroll
