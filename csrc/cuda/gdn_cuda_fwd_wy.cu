@@ -328,17 +328,24 @@ static __device__ __forceinline__ void fq_wy_gates(const fq_wy_args &args, fq_ch
     }
 }
 
+/* The inclusive prefix sum of a chunk's 64 values over one warp: x[0] holds
+ * token lane, x[1] token lane + 32. */
+static __device__ __forceinline__ void fq_warp_cumsum64(float x[2], int lane)
+{
+    for (int o = 1; o < 32; o <<= 1) {
+        float y0 = __shfl_up_sync(0xffffffffu, x[0], o), y1 = __shfl_up_sync(0xffffffffu, x[1], o);
+        if (lane >= o) { x[0] += y0; x[1] += y1; }
+    }
+    x[1] += __shfl_sync(0xffffffffu, x[0], 31);
+}
+
 /* gamma = cumsum(g) over the chunk (one warp: tokens lane and lane + 32), and
  * the vectors beta, rk and the W column factors fw = beta e^gamma rk into
  * shared memory, from the gates of fq_wy_gates. */
 static __device__ __forceinline__ void fq_wy_gate_scan(float gv[2], const float bv[2], const float rv[2], float *gam,
                                                        float *bet, float *rkv, float *fw, int lane)
 {
-    for (int o = 1; o < 32; o <<= 1) {
-        float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
-        if (lane >= o) { gv[0] += y0; gv[1] += y1; }
-    }
-    gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
+    fq_warp_cumsum64(gv, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int r = lane + 32 * h;
@@ -1006,11 +1013,7 @@ static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_
         const float g = fq_inv_raw_f(x.g[h], dt);
         gv[h] = x.ok[h] ? (g < (float)FQ_GATE_RESET ? (float)FQ_GATE_RESET : g) : 0.f;
     }
-    for (int o = 1; o < 32; o <<= 1) {
-        float y0 = __shfl_up_sync(0xffffffffu, gv[0], o), y1 = __shfl_up_sync(0xffffffffu, gv[1], o);
-        if (lane >= o) { gv[0] += y0; gv[1] += y1; }
-    }
-    gv[1] += __shfl_sync(0xffffffffu, gv[0], 31);
+    fq_warp_cumsum64(gv, lane);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int r = lane + 32 * h;
