@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(384, 1)
              * does not read): fv = the chunk's first row with a non-finite v
              * in this CTA's 64 columns; from it on the stage's record is
              * poisoned as stage A poisons it for k, g, beta (qg = NaN: those o
-             * rows come out NaN; e^{gamma_C} = NaN: the state after the chunk)
-             * and FQ_REC_F = min(f, fv). Then the rows from zr = min(len, f)
+             * rows come out NaN; e^{gamma_C} = NaN: the state after the chunk).
+             * Then the rows from zr = min(len, f, fv) (f: stage A's FQ_REC_F)
              * on enter nothing: the padding rows of a sequence's last chunk
              * (rows of the next sequence) and the rows from the chunk's first
              * non-finite k, g, beta (stage A) or v on (their NaN would reach
@@ -284,7 +284,6 @@ __global__ void __launch_bounds__(384, 1)
                         if (lane + 32 >= fv) rec[FQ_REC_QG + lane + 32] = nan;
                         if (lane == 0) {
                             rec[FQ_REC_EC] = nan;
-                            if ((float)fv < rec[FQ_REC_F]) rec[FQ_REC_F] = (float)fv;
                             chk[s] = 64;
                         }
                     }
