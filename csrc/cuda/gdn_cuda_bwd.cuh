@@ -33,8 +33,7 @@ static __device__ __forceinline__ void fq_async_rows(fq_bf16 *dst, int ld, const
  * is rewritten only when it holds one). Each thread touches only the
  * 16-byte pieces it copied (or scaled, fq_scale_rows: the same pieces)
  * itself, so it runs right after the thread's cp.async wait, before the
- * barrier that publishes the tile. bf16 x is not finite iff its exponent
- * bits (0x7f80) are all ones. */
+ * barrier that publishes the tile (fq_bf16x8_nonfinite finds them). */
 template <int D>
 static __device__ __forceinline__ void fq_finite_rows(fq_bf16 *t, int ld, int rows)
 {
@@ -42,13 +41,8 @@ static __device__ __forceinline__ void fq_finite_rows(fq_bf16 *t, int ld, int ro
         const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
         uint4 *pp = (uint4 *)(t + r * ld + c);
         uint4 x = *pp;
-        uint32_t *xs = (uint32_t *)&x, b = 0;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const uint32_t y = (xs[q] & 0x7f807f80u) ^ 0x7f807f80u; /* a half is 0 iff not finite */
-            b |= (y - 0x00010001u) & 0x80008000u;                  /* bit 15 / 31: that half is 0 */
-        }
-        if (b) {
+        uint32_t *xs = (uint32_t *)&x;
+        if (fq_bf16x8_nonfinite(x)) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const uint32_t y = xs[q] & 0x7f807f80u;
@@ -62,22 +56,16 @@ static __device__ __forceinline__ void fq_finite_rows(fq_bf16 *t, int ld, int ro
 
 /* Causality (issue 9): 1 iff one of the 16-byte pieces of a rows x D bf16
  * tile that this thread visits (the fq_async_rows<D> mapping) holds a
- * non-finite value (same exponent test as fq_finite_rows; no writes). */
+ * non-finite value (fq_bf16x8_nonfinite; no writes). */
 template <int D>
 static __device__ __forceinline__ int fq_nonfinite_rows(const fq_bf16 *t, int ld, int rows)
 {
-    uint32_t b = 0;
+    int b = 0;
     for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
         const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
-        const uint4 x = *(const uint4 *)(t + r * ld + c);
-        const uint32_t xs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const uint32_t y = (xs[q] & 0x7f807f80u) ^ 0x7f807f80u; /* a half is 0 iff not finite */
-            b |= (y - 0x00010001u) & 0x80008000u;                  /* bit 15 / 31: that half is 0 */
-        }
+        b |= fq_bf16x8_nonfinite(*(const uint4 *)(t + r * ld + c));
     }
-    return b != 0;
+    return b;
 }
 
 /* In place: row r of a 64 x D bf16 tile times rs[r]. */

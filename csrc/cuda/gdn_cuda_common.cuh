@@ -135,10 +135,13 @@ static __device__ __forceinline__ float2 fq_unpack_bf16(uint32_t u)
  * budget). This equals the CPU's exact rule (a cumsum restarted at each reset,
  * gdn_cpu.h fq_cpu_gate_scan) within float. A NaN gate passes through (the
  * comparison is false): NaN stays NaN. */
+static __device__ __forceinline__ float fq_gate_clamp(float x)
+{
+    return x < (float)FQ_GATE_RESET ? (float)FQ_GATE_RESET : x;
+}
 static __device__ __forceinline__ float fq_gate_load(const void *g, fq_dtype dt, int64_t i)
 {
-    const float x = fq_ld_f(g, dt, i);
-    return x < (float)FQ_GATE_RESET ? (float)FQ_GATE_RESET : x;
+    return fq_gate_clamp(fq_ld_f(g, dt, i));
 }
 
 /* --------------------------------------------- tensor cores (sm_80) ---- */

@@ -189,18 +189,23 @@ static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float 
 
 /* Rows r < ci.len of chunk ci of one head of a bf16 [rows, nheads, NC] array
  * into a [64][LD] shared tile by cp.async (128 threads; rows past len become
- * zeros: a 0-byte copy from the base); tid = threadIdx.x. No commit. The
- * blocked and persistent kernels' K and V tiles. */
+ * zeros: a 0-byte copy from the base); tid = threadIdx.x. No commit. Thread
+ * tid copies the 16 bytes at column pc of rows r0, r0 + RPI, ... (the pieces
+ * idx = tid + 128 m of the tile, idx = PPR r + pc / 8), from one base pointer
+ * stepped by RPI rows. The K and V tiles of every stage A kernel. */
 template <int NC, int LD>
 static __device__ __forceinline__ void fq_wy_load_rows(fq_bf16 *dst, const fq_bf16 *base, int nheads, int head,
                                                        fq_chunk_info ci, int tid)
 {
-    for (int idx = tid; idx < 64 * (NC / 8); idx += 128) {
-        int r = idx / (NC / 8), c = (idx % (NC / 8)) * 8;
-        const fq_bf16 *src = base;
-        int bytes = 0;
-        if (r < ci.len) { src = base + ((int64_t)(ci.row0 + r) * nheads + head) * NC + c; bytes = 16; }
-        fq_cp_async16(dst + r * LD + c, src, bytes);
+    constexpr int PPR = NC / 8, RPI = 128 / PPR;
+    const int pc = (tid % PPR) * 8, r0 = tid / PPR;
+    fq_bf16 *d = dst + r0 * LD + pc;
+    const fq_bf16 *src = base + ((int64_t)(ci.row0 + r0) * nheads + head) * NC + pc;
+    const int64_t step = (int64_t)RPI * nheads * NC;
+#pragma unroll
+    for (int m = 0; m < 64 / RPI; m++) {
+        const int ok = r0 + RPI * m < ci.len;
+        fq_cp_async16(d + RPI * m * LD, ok ? (const void *)(src + m * step) : (const void *)base, ok ? 16 : 0);
     }
 }
 
@@ -274,22 +279,13 @@ static __device__ __forceinline__ void fq_wy_lower(const fq_bf16 *Ks, float *Lf,
  * fq_wy_load_rows<NC, LD> holding a non-finite value, atomicMin'ed into *sf
  * (rare). Each thread reads only the 16-byte pieces it copied itself, so it
  * runs right after the thread's cp.async wait, before the barrier that
- * publishes the tile; *sf is read after that barrier. bf16 x is not finite
- * iff its exponent bits (0x7f80) are all ones. */
+ * publishes the tile; *sf is read after that barrier. */
 template <int NC, int LD>
 static __device__ __forceinline__ void fq_wy_scan_rows(const fq_bf16 *tile, int tid, int *sf)
 {
     for (int idx = tid; idx < 64 * (NC / 8); idx += 128) {
         int r = idx / (NC / 8), c = (idx % (NC / 8)) * 8;
-        const uint4 x = *(const uint4 *)(tile + r * LD + c);
-        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-        uint32_t b = 0;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const uint32_t y = (w[e] & 0x7f807f80u) ^ 0x7f807f80u; /* a half is 0 iff it is not finite */
-            b |= (y - 0x00010001u) & 0x80008000u;                 /* bit 15 / 31 set iff that half is 0 */
-        }
-        if (b) atomicMin(sf, r);
+        if (fq_bf16x8_nonfinite(*(const uint4 *)(tile + r * LD + c))) atomicMin(sf, r);
     }
 }
 
@@ -1001,7 +997,7 @@ static __device__ __forceinline__ void fq_inv_gates(const fq_wy_args &args, fq_c
         }
     }
 }
-/* gamma = cumsum(g) (g through the full-reset clamp of fq_gate_load), and
+/* gamma = cumsum(g) (g through the full-reset clamp, fq_gate_clamp), and
  * the vectors beta, rk, rq of the item into shared memory (zeros past len);
  * one warp, tokens lane and lane + 32 */
 static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_dtype dt, float *gam, float *bet,
@@ -1011,7 +1007,7 @@ static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const float g = fq_inv_raw_f(x.g[h], dt);
-        gv[h] = x.ok[h] ? (g < (float)FQ_GATE_RESET ? (float)FQ_GATE_RESET : g) : 0.f;
+        gv[h] = x.ok[h] ? fq_gate_clamp(g) : 0.f;
     }
     fq_warp_cumsum64(gv, lane);
 #pragma unroll
@@ -1025,7 +1021,8 @@ static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_
 }
 
 /* One item (chunk, value head j): the warp's block row of K K^T (kkt, this
- * warp's fragments), gate vectors and zeroed A in shared memory, 128 threads.
+ * warp's fragments), gate vectors and A (its blocks above the diagonal zero)
+ * in shared memory, 128 threads.
  * Writes A'' and the record of `item`. */
 template <int K>
 static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
@@ -1265,21 +1262,10 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
         }
         return c;
     };
-    /* the K rows of chunk c, q/k head hq (zeros past len) into buffer b; no
-     * commit. Thread -> 16 bytes at column pc of rows r0, r0 + RPI, ... */
+    /* the K rows of chunk c, q/k head hq (zeros past len) into buffer b; no commit */
     auto issue = [&](fq_chunk_info c, int hq, int b) {
-        constexpr int PPR = K / 8, RPI = 128 / PPR;
-        if (c.seq < 0) return;
-        const int pc = (tid % PPR) * 8, r0 = tid / PPR;
-        fq_bf16 *dst = (fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k)) + r0 * SM::LDK + pc;
-        const fq_bf16 *src = args.kb + ((int64_t)(c.row0 + r0) * H + hq) * K + pc;
-        const int64_t step = (int64_t)RPI * H * K;
-#pragma unroll
-        for (int m = 0; m < 64 / RPI; m++) {
-            const int ok = r0 + RPI * m < c.len;
-            fq_cp_async16(dst + RPI * m * SM::LDK, ok ? (const void *)(src + m * step) : (const void *)args.kb,
-                          ok ? 16 : 0);
-        }
+        if (c.seq >= 0)
+            fq_wy_load_rows<K, SM::LDK>((fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k)), args.kb, H, hq, c, tid);
     };
     /* the chunk table is read two key items ahead, the gates one item ahead,
      * so that no load is waited for where it is issued */
