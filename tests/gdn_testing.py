@@ -21,6 +21,13 @@ GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 tolerance = reference.tolerance
 
 
+def gpu_tol(what):
+    """The bf16 tolerance of an output or gradient name (the CUDA tests' inputs)."""
+    if what in ("o", "ht"):
+        return TOL_BF16_OUT
+    return TOL_BF16_DG if what == "dg" else TOL_BF16_GRAD
+
+
 def to_f64(x):
     """Any array (NumPy, PyTorch, JAX, CuPy) -> float64 NumPy copy."""
     if x is None:
@@ -36,6 +43,20 @@ def to_f64(x):
 def rel_error(out, ref):
     """||out - ref|| / ||ref|| of any two arrays (NumPy, PyTorch, JAX, CuPy), in float64."""
     return reference.rel_error(to_f64(out), to_f64(ref))
+
+
+def assert_finite_where_reference(name, out, ref, tol):
+    """NaN isolation and causality (issue 9): out is finite wherever the float64
+    reference ref is (its NaN pattern is the allowed one), and within tol of it
+    there."""
+    out = to_f64(out)
+    fin = np.isfinite(ref)
+    leak = fin & ~np.isfinite(out)
+    assert not leak.any(), (f"{name}: {int(leak.sum())} NaN/Inf where the exact result is finite "
+                            f"(first at {np.argwhere(leak)[0].tolist()})")
+    if fin.any():
+        err = rel_error(np.where(fin, out, 0.0), np.where(fin, ref, 0.0))
+        assert err <= tol, f"{name}: rel error {err:.3e} > {tol:.1e} on the finite entries"
 
 
 def assert_close(name, out, ref, tol):

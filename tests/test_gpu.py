@@ -19,19 +19,12 @@ import pytest
 
 import flashqla
 from flashqla import reference
-from gdn_testing import (GRAD_NAMES, TOL_BF16_DG, TOL_BF16_GRAD, TOL_BF16_OUT, assert_close,
-                         c_chunk_bwd, c_chunk_fwd, cast_inputs_torch, make_inputs,
-                         reference_of, to_f64)
+from gdn_testing import (GRAD_NAMES, assert_close, c_chunk_bwd, c_chunk_fwd, cast_inputs_torch, gpu_tol,
+                         make_inputs, reference_of, to_f64)
 
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
-
-
-def gpu_tol(what):
-    if what in ("o", "ht"):
-        return TOL_BF16_OUT
-    return TOL_BF16_DG if what == "dg" else TOL_BF16_GRAD
 
 
 def _case(B, T, H, HV, K, V, **opts):

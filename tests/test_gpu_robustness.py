@@ -34,21 +34,14 @@ import pytest
 
 import flashqla
 from flashqla import _C
-from gdn_testing import (GRAD_NAMES, TOL_BF16_DG, TOL_BF16_GRAD, TOL_BF16_OUT, c_chunk_bwd,
-                         c_chunk_fwd, cast_inputs_torch, make_inputs, reference_of, rel_error,
-                         to_f64)
+from gdn_testing import (GRAD_NAMES, TOL_BF16_OUT, assert_finite_where_reference, c_chunk_bwd, c_chunk_fwd,
+                         cast_inputs_torch, gpu_tol, make_inputs, reference_of, rel_error, to_f64)
 
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
 NAMES = ("o", "ht") + GRAD_NAMES
-
-
-def gpu_tol(what):
-    if what in ("o", "ht"):
-        return TOL_BF16_OUT
-    return TOL_BF16_DG if what == "dg" else TOL_BF16_GRAD
 
 
 def _reference(t):
@@ -245,15 +238,6 @@ def _backward_with_nan(field, do_mode):
     return out, _reference(t)
 
 
-def _assert_finite_where_reference(name, x, r):
-    fin = np.isfinite(r)
-    leak = fin & ~np.isfinite(x)
-    assert not leak.any(), (f"{name}: {int(leak.sum())} NaN/Inf where the reference is finite "
-                            f"(first at {np.argwhere(leak)[0].tolist()})")
-    err = rel_error(np.where(fin, x, 0.0), np.where(fin, r, 0.0))
-    assert err <= gpu_tol(name), f"{name}: rel error {err:.3e} > {gpu_tol(name):.1e} on the finite entries"
-
-
 def _assert_reference_pattern(field, ref):
     """The reference's finite entries this test relies on (so that it cannot
     pass vacuously)."""
@@ -287,7 +271,7 @@ def test_cuda_backward_nan_follows_the_reference_pattern(field, do_mode):
     out, ref = _backward_with_nan(field, do_mode)
     _assert_reference_pattern(field, ref)
     for n in GRAD_NAMES:
-        _assert_finite_where_reference(n, out[n], ref[n])
+        assert_finite_where_reference(n, out[n], ref[n], gpu_tol(n))
     if field in ("k", "beta", "g"):   # nothing silently finite: dh0 NaN wherever the reference's is
         assert not np.isfinite(ref["dh0"][0, 0]).any(), "reference dh0 of head 0 has finite entries"
         leak = np.isnan(ref["dh0"]) & np.isfinite(out["dh0"])
@@ -304,7 +288,7 @@ def test_cuda_backward_nan_in_do_reaches_only_earlier_tokens():
     out, ref = _backward_with_nan("do", "all")
     _assert_reference_pattern("do", ref)
     for n in GRAD_NAMES:
-        _assert_finite_where_reference(n, out[n], ref[n])
+        assert_finite_where_reference(n, out[n], ref[n], gpu_tol(n))
     assert not np.isfinite(out["dh0"][0, 0, :, 1]).all(), "dh0 column 1: finite although do_t is NaN"
 
 
