@@ -429,14 +429,20 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
                     x[e] += __expf(sg[63]) * dot + mx;
                 }
             }
+            /* dg_r = sum_{s >= r} dgamma_s: lane l holds rows 2l, 2l + 1; suf = the
+             * inclusive suffix sum of the lanes' pairs, after = that of the lanes above
+             * (never suf - pair: a NaN or a large finite dgamma of a row at or before r
+             * would reach dg_r through the subtraction, which the reference's dg_r
+             * never sees) */
             const float x0 = x[0], x1 = x[1];
-            const float pair = x0 + x1;
-            float suf = pair;
+            float suf = x0 + x1;
             for (int o = 1; o < 32; o <<= 1) {
                 const float yv = __shfl_down_sync(0xffffffffu, suf, o);
                 if (lane + o < 32) suf += yv;
             }
-            const float d1 = suf - pair + x1, d0 = d1 + x0;
+            float after = __shfl_down_sync(0xffffffffu, suf, 1);
+            if (lane == 31) after = 0.f;
+            const float d1 = after + x1, d0 = d1 + x0;
             const int64_t o0 = (int64_t)(ci.row0 + 2 * lane) * HV + j;
             if (2 * lane < len) {
                 fq_st_f(a.dg, a.gdt, o0, d0);

@@ -56,6 +56,7 @@
 
 #include <cuda.h> /* CUtensorMap and its enums only: the encoder comes from the runtime */
 
+#include <stdlib.h> /* getenv */
 #include <string.h>
 
 #define FQ_FUSED_STAGES 3
@@ -836,10 +837,18 @@ __global__ void __launch_bounds__(K) fq_fwd_cp_combine_kernel(const fq_seg_info 
 
 /* Cached per device: 1 when the kernel's loaded code is the sm_90a one
  * (PTX version >= 90; not so when the compute_80 PTX was JIT-compiled, e.g.
- * with CUDA_FORCE_PTX_JIT=1) on a compute-capability 9.x GPU. */
+ * with CUDA_FORCE_PTX_JIT=1) on a compute-capability 9.x GPU.
+ * FLASHQLA_CUDA_FUSED_FWD=0 (read once) says no everywhere: the three-stage
+ * forward then runs, as off sm_90a (the tests run it so on the H200). */
 extern "C" int fq_cuda_fwd_fused_available(const fq_gdn_params *p)
 {
+    static int env = -1;
     static signed char per_dev[64]; /* 0 unknown, 1 yes, 2 no */
+    if (env < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_FUSED_FWD");
+        env = !(e && strcmp(e, "0") == 0);
+    }
+    if (!env) return 0;
     if ((p->K != 64 && p->K != 128) || (p->V != 64 && p->V != 128)) return 0;
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
