@@ -329,6 +329,29 @@ typedef struct fq_seg_info {
 #define FQ_SLOT_NONE (-1)
 #define FQ_SLOT_DUP (-2)
 
+/* A'' = A diag(beta) of one (chunk, value head) as the fused forward stores
+ * and reads it (stage A -> the main kernel's Vn^T = Y^T A''^T, where A''^T is
+ * wgmma's K-major B operand: K = the column c of A'', N = its row r). In
+ * shared memory the dense tile without swizzle: K-step kk (columns 16 kk..)
+ * at 2048 kk bytes, as 8 x 8 core matrices (8 rows r of 16 bytes, 128 bytes
+ * contiguous), core (row group nb = r / 8, half h = (c / 8) % 2) at
+ * (2 nb + h) 128 bytes (LBO = 128, SBO = 256). In global memory only what
+ * is not structurally zero: K-step kk's rows r >= 16 kk (the blocks above
+ * the diagonal are left out), which are the last 2048 - 512 kk bytes of its
+ * shared-memory region, K-steps back to back from fq_apack_step_bytes(kk)
+ * = 256 (8 kk - kk (kk - 1)) (0, 2048, 3584, 4608): 5120 bytes per tile,
+ * 62.5 % of the dense one; one bulk copy per K-step puts them in place. */
+#define FQ_APACK_BYTES 5120
+#define FQ_APACK_ELEMS (FQ_APACK_BYTES / 2)
+static __host__ __device__ __forceinline__ int fq_apack_step_bytes(int kk) { return 256 * (8 * kk - kk * (kk - 1)); }
+/* element index of A''[r][c] in the packed tile; -1 for a block above the diagonal (r < 16 (c / 16)) */
+static __host__ __device__ __forceinline__ int fq_apack_index(int r, int c)
+{
+    const int kk = c >> 4;
+    if (r < 16 * kk) return -1;
+    return (fq_apack_step_bytes(kk) + (((r >> 3) - 2 * kk) * 2 + ((c >> 3) & 1)) * 128 + (r & 7) * 16) / 2 + (c & 7);
+}
+
 /* The gate record of one (chunk, value head), written by the fused
  * forward's stage A for its main kernel (which reads it by one bulk copy):
  * per row r, vectors of 64 floats at these offsets, then e^{gamma_C}. */

@@ -153,7 +153,7 @@ extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base
     if (!ws) ws = &tmp;
     size_t off = fq_fwd_ws_common(p, base, ws);
     const int64_t nc = ws->nc_max, HV = p->HV;
-    ws->a = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * FQ_CHUNK) * 2);
+    ws->a = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV) * FQ_APACK_BYTES); /* packed (gdn_cuda_common.cuh) */
     ws->rec = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_REC_FLOATS) * 4);
     /* segments: nseg_max from the head shape only (never from data, never
      * from the batch), their slots bounded from sizes */

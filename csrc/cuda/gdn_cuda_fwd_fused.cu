@@ -17,9 +17,9 @@
  * forward's 5e-3 error budget, dev/cuda/sim_fwd_fused_numerics.py).
  *
  * Three warpgroups (384 threads), one CTA per SM (~215 KB of shared memory at
- * K = 128: three stages of 48 KB plus the exchange buffers):
+ * K = 128: three stages of 45 KB plus the exchange buffers):
  *   WG0, producer: one thread issues the TMA loads of a chunk's Q, K, V
- *        (this CTA's 64 columns) and A'' tiles and its gate record into the
+ *        (this CTA's 64 columns) tiles, A'' (packed, bulk copy) and its gate record into the
  *        stage (mbarrier `full`), three chunks deep; warps 1..3 check V for
  *        non-finite rows and zero the rows that enter nothing (`checked`);
  *        setmaxnreg 40.
@@ -72,7 +72,7 @@ template <int K> struct fq_fused_smem {
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + KT * FQ_TILE;
     static constexpr int off_v = off_k + KT * FQ_TILE;
-    static constexpr int off_a = off_v + FQ_TILE;
+    static constexpr int off_a = off_v + FQ_TILE;      /* A'' dense, no swizzle (gdn_cuda_common.cuh) */
     static constexpr int stage = off_a + FQ_TILE;
     static constexpr int off_sb = FQ_FUSED_STAGES * stage;   /* 2 x S^T */
     static constexpr int off_vn = off_sb + 2 * KT * FQ_TILE; /* 2 x Vn^T */
@@ -84,7 +84,7 @@ template <int K> struct fq_fused_smem {
     static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16; /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
     static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
-    static constexpr uint32_t load_bytes = (2 * KT + 2) * FQ_TILE + rec_bytes;
+    static constexpr uint32_t load_bytes = (2 * KT + 1) * FQ_TILE + FQ_APACK_BYTES + rec_bytes;
     static_assert(stage % 1024 == 0 && off_o % 1024 == 0, "tiles keep their 1024-byte alignment");
 };
 
@@ -97,6 +97,7 @@ struct fq_fused_args {
     float *md;           /* MAP: [seg_bound, HV, K, K + V] out */
     const float *ss;     /* FULL: [seg_bound, HV, K, V] start states of segments 1.. */
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
+    const fq_bf16 *a;    /* [nc_max, HV, FQ_APACK_ELEMS] A'' packed */
     const float *h0;     /* [N, HV, K, V] or NULL; [serving] the pool [P, HV, K, V] */
     float *ht;           /* [N, HV, K, V] or NULL; [serving] the pool (h0 == ht) */
     int vk;              /* [serving] h0, ht, checkpoints stored [.., V, K] (fq_state_at) */
@@ -163,8 +164,8 @@ static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes
 template <int K, int MODE>
 __global__ void __launch_bounds__(384, 1)
     fq_fwd_fused_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                        const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_a,
-                        const __grid_constant__ CUtensorMap tm_o, const fq_fused_args args)
+                        const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                        const fq_fused_args args)
 {
 #if FQ_SM90A
     typedef fq_fused_smem<K> SM;
@@ -217,8 +218,16 @@ __global__ void __launch_bounds__(384, 1)
         fq_tma_prefetch_desc(&tm_q);
         fq_tma_prefetch_desc(&tm_k);
         fq_tma_prefetch_desc(&tm_v);
-        fq_tma_prefetch_desc(&tm_a);
     }
+    /* the blocks above the diagonal in every stage's A'' tile (K-step kk's first
+     * 512 kk bytes, kk = 1..3: 192 pieces of 16 bytes per stage), zeroed once:
+     * the copies never write them */
+    for (int idx = tid; idx < FQ_FUSED_STAGES * 192; idx += blockDim.x) {
+        const int s = idx / 192, q = idx % 192, kk = q < 32 ? 1 : q < 96 ? 2 : 3;
+        const int e = q - (kk == 1 ? 0 : kk == 2 ? 32 : 96);
+        *(uint4 *)(smem + s * SM::stage + SM::off_a + 2048 * kk + 16 * e) = make_uint4(0, 0, 0, 0);
+    }
+    fq_fence_async_smem(); /* (read by wgmma) */
     __syncthreads();
     /* the segment table, A'' and the record come from the kernels before */
     fq_pdl_wait();
@@ -237,7 +246,8 @@ __global__ void __launch_bounds__(384, 1)
                 unsigned char *st = smem + s * SM::stage;
                 const int row = si.bos + 64 * i;
                 /* MAP: no Q (no outputs), no V for an M block (v = 0 there) */
-                fq_mbar_arrive_tx(&full[s], MAP ? (uint32_t)(KT + 2 - mblk) * FQ_TILE + SM::rec_bytes : SM::load_bytes);
+                fq_mbar_arrive_tx(&full[s], MAP ? (uint32_t)(KT + 1 - mblk) * FQ_TILE + FQ_APACK_BYTES + SM::rec_bytes
+                                                : SM::load_bytes);
                 fq_bulk_load(smem + SM::off_rec + s * SM::rec_bytes,
                              args.rec + ((int64_t)(si.chunk0 + i) * HV + j) * FQ_REC_FLOATS, SM::rec_bytes, &full[s]);
 #pragma unroll
@@ -246,7 +256,11 @@ __global__ void __launch_bounds__(384, 1)
                     fq_tma_load_3d(st + SM::off_k + kt * FQ_TILE, &tm_k, &full[s], 64 * kt, hq, row);
                 }
                 if (!mblk) fq_tma_load_3d(st + SM::off_v, &tm_v, &full[s], 64 * vb, j, row);
-                fq_tma_load_2d(st + SM::off_a, &tm_a, &full[s], 0, ((si.chunk0 + i) * HV + j) * 64);
+                /* A'': each K-step's stored rows (r >= 16 kk) to their place in the tile */
+                for (int kk = 0; kk < 4; kk++)
+                    fq_bulk_load(st + SM::off_a + 2048 * kk + 512 * kk,
+                                 args.a + ((int64_t)(si.chunk0 + i) * HV + j) * FQ_APACK_ELEMS + fq_apack_step_bytes(kk) / 2,
+                                 (8 - 2 * kk) * 256, &full[s]);
             }
         } else if (tid >= 32) {
             /* checker, warps 1..3 (issue 9: causality for V, which stage A
@@ -516,7 +530,7 @@ __global__ void __launch_bounds__(384, 1)
             float xacc[32], vacc[32];
             const uint64_t dk = fq_desc_sw128(fq_smem_u32(st + SM::off_k), 16, 1024);
             const uint64_t dkm = fq_desc_sw128(fq_smem_u32(st + SM::off_k), FQ_TILE, 1024);
-            const uint64_t da = fq_desc_sw128(fq_smem_u32(st + SM::off_a), 16, 1024);
+            const uint32_t sa = fq_smem_u32(st + SM::off_a); /* A'' packed by K-step */
             /* V^T in the accumulator layout (V [r][v]: 8 x 8 blocks transposed by
              * ldmatrix; block (nb, h) = rows 8 nb.., columns 16 w + 8 h..), zeros
              * for an M block; loaded first, used after group 1 */
@@ -574,11 +588,12 @@ __global__ void __launch_bounds__(384, 1)
                 }
             }
             fq_wgmma_fence();
-            /* group 2: Vn^T = Y^T A''^T = Yh^T A''^T + Yl^T A''^T (A'' K-major) */
+            /* group 2: Vn^T = Y^T A''^T = Yh^T A''^T + Yl^T A''^T (A'' K-major, no swizzle:
+             * K-step kk at 2048 kk, core matrices LBO 128, SBO 256) */
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yh[kk], fq_desc_at(da, 32 * kk), kk > 0);
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yh[kk], fq_desc_interleave(sa + 2048 * kk, 128, 256), kk > 0);
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yl[kk], fq_desc_at(da, 32 * kk), 1);
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(vacc, yl[kk], fq_desc_interleave(sa + 2048 * kk, 128, 256), 1);
             fq_wgmma_commit();
             /* this thread's columns r = 8 nb + 2 t + e of kd */
             float kdc[16];
@@ -869,10 +884,11 @@ extern "C" int fq_cuda_fwd_fused_available(const fq_gdn_params *p)
     return per_dev[dev] == 1;
 }
 
-/* The tensor maps of one call: q, k, v (bf16), A'' and o (16-bit o at a
- * 16-byte aligned address; else the kernel stores o per thread). */
+/* The tensor maps of one call: q, k, v (bf16) and o (16-bit o at a 16-byte
+ * aligned address; else the kernel stores o per thread); A'' (packed) comes
+ * by bulk copy. */
 struct fq_fused_maps {
-    CUtensorMap q, k, v, a, o;
+    CUtensorMap q, k, v, o;
     int o_tma;
 };
 
@@ -886,17 +902,13 @@ static fq_status fq_fused_maps_of(const fq_gdn_params *p, const fq_fwd_ws *ws, f
     const uint64_t sq[2] = {(uint64_t)K * 2, (uint64_t)p->H * K * 2};
     const uint64_t dv[3] = {(uint64_t)p->V, (uint64_t)p->HV, (uint64_t)rows};
     const uint64_t sv[2] = {(uint64_t)p->V * 2, (uint64_t)p->HV * p->V * 2};
-    const uint64_t da[2] = {64, (uint64_t)ws->nc_max * p->HV * 64};
-    const uint64_t sa[1] = {128};
-    const uint32_t boxa[2] = {64, 64};
     fq_status st;
     if ((st = fq_tmap(&m->q, ws->qb, 3, dq, sq, box)) != FQ_OK) return st;
     if ((st = fq_tmap(&m->k, ws->kb, 3, dq, sq, box)) != FQ_OK) return st;
     if ((st = fq_tmap(&m->v, ws->vb, 3, dv, sv, box)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m->a, ws->a, 2, da, sa, boxa)) != FQ_OK) return st;
     m->o_tma = p->dtype != FQ_F32 && ((uintptr_t)p->o & 15) == 0;
     if (m->o_tma) return fq_tmap(&m->o, p->o, 3, dv, sv, box, p->dtype == FQ_F16);
-    m->o = m->a; /* unused */
+    m->o = m->q; /* unused */
     return FQ_OK;
 }
 
@@ -909,6 +921,7 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     args.md = ws->md;
     args.ss = ws->ss;
     args.rec = ws->rec;
+    args.a = ws->a;
     args.h0 = (const float *)(p->state ? p->state : p->h0);
     args.ht = (float *)(p->state ? p->state : p->ht);
     args.vk = p->state_vk;
@@ -929,7 +942,7 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_fused_kernel<K, MODE>, bytes);
     if (st != FQ_OK) return st;
     return fq_launch_k(fq_fwd_fused_kernel<K, MODE>, (unsigned)blocks, 384, bytes, stream, fq_cuda_pdl_enabled(), m.q,
-                       m.k, m.v, m.a, m.o, args);
+                       m.k, m.v, m.o, args);
 }
 
 template <int K>

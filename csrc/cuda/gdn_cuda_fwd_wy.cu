@@ -844,7 +844,8 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
  * only
  *
  *     gamma = cumsum(g),  L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk))
- *     A     = (I + L)^-1, stored as A'' = A diag(beta)   bf16 [64][64], zeros above the diagonal
+ *     A     = (I + L)^-1, stored as A'' = A diag(beta)   bf16, its blocks on and below the
+ *             diagonal packed by K-step (FQ_APACK_BYTES, gdn_cuda_common.cuh)
  *     rec   = the gate record (FQ_REC_*: gamma, the row and column factors,
  *             beta, e^{gamma_C}) the fused kernel reads
  *
@@ -1183,27 +1184,29 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
                                      (unsigned long long)sb[2] << 32 | (unsigned long long)sb[3] << 48;
         f = m ? __ffsll((long long)m) - 1 : 64;
     }
-    /* A'' = A diag(beta) (bf16, zeros above the diagonal) and the gate record:
-     * thread -> columns c..c+7, rows r0 + 16 m */
+    /* A'' = A diag(beta) (bf16; stored: its blocks on and below the diagonal,
+     * FQ_APACK_BYTES, gdn_cuda_common.cuh) and the gate record. By 16-byte
+     * piece p of the stored tile, so that a warp writes 512 contiguous bytes:
+     * K-step kk, piece q of it = row r, columns c..c+7 (core q / 8 = row group
+     * 2 kk + q / 16, half (q / 8) % 2; row q % 8 of the core). beta of the
+     * columns only where c < f (a select: A's columns from f on are zeros even
+     * where they overflowed). */
     {
-        const int c = (tid & 7) * 8, r0 = tid >> 3;
-        float fb[8]; /* beta of the columns, used only where c < f (a select: A's columns from f on
-                        are zeros even where they overflowed) */
+        fq_bf16 *ag = args.a + item * FQ_APACK_ELEMS;
 #pragma unroll
-        for (int e = 0; e < 8; e++) fb[e] = bet[c + e];
-        fq_bf16 *ag = args.a + item * 64 * 64 + r0 * 64 + c;
-        const fq_bf16 *as = Ab + r0 * SM::LDA + c;
-#pragma unroll
-        for (int m = 0; m < 4; m++) {
-            uint4 x = *(const uint4 *)(as + 16 * m * SM::LDA);
+        for (int p = tid; p < FQ_APACK_BYTES / 16; p += 128) {
+            const int kk = p < 128 ? 0 : p < 224 ? 1 : p < 288 ? 2 : 3;
+            const int q = p - fq_apack_step_bytes(kk) / 16;
+            const int r = 16 * kk + 8 * (q >> 4) + (q & 7), c = 16 * kk + 8 * ((q >> 3) & 1);
+            uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
             uint32_t *px = (uint32_t *)&x;
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float2 y = fq_unpack_bf16(px[e]);
-                px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * fb[2 * e] : 0.f,
-                                     c + 2 * e + 1 < f ? y.y * fb[2 * e + 1] : 0.f);
+                px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bet[c + 2 * e] : 0.f,
+                                     c + 2 * e + 1 < f ? y.y * bet[c + 2 * e + 1] : 0.f);
             }
-            *(uint4 *)(ag + 16 * m * 64) = x;
+            *(uint4 *)(ag + 8 * p) = x;
         }
     }
     if (tid < 64) {

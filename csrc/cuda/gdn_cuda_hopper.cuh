@@ -58,6 +58,16 @@ static __device__ __forceinline__ uint64_t fq_desc_sw128(uint32_t saddr, uint32_
            ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+/* wgmma shared-memory matrix descriptor, no swizzle (layout type 0): the
+ * operand as 8 x 8 core matrices (8 rows of 16 bytes, 128 bytes contiguous);
+ * lbo = the byte offset between core matrices adjacent in K, sbo = between
+ * core matrices adjacent in M or N. */
+static __device__ __forceinline__ uint64_t fq_desc_interleave(uint32_t saddr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32);
+}
+
 /* ------------------------------------------------------------ warpgroup ---- */
 
 static __device__ __forceinline__ void fq_wgmma_fence(void)

@@ -704,7 +704,7 @@ static void check_inverse(int K, int l2norm)
     std::vector<fq_chunk_info> ch(wo.nc_max);
     CK(cudaMemcpy(ch.data(), wo.chunks, ch.size() * sizeof(fq_chunk_info), cudaMemcpyDeviceToHost));
     fq_cuda_fwd_fused_ws_layout(&p, d.ws, &wf);
-    CK(cudaMemset(wf.a, 0xff, na * 2));
+    CK(cudaMemset(wf.a, 0xff, nit * FQ_APACK_BYTES));
     if (st == FQ_OK) st = fq_cuda_fwd_prepare(&p, &wf, 0);
     if (st == FQ_OK) st = fq_cuda_fwd_inverse(&p, &wf, 0);
     CK(cudaDeviceSynchronize());
@@ -714,13 +714,15 @@ static void check_inverse(int K, int l2norm)
         printf("  %-46s FAIL status %d: %s\n", name, (int)st, fq_last_error());
         g_fail = 1;
     } else {
-        std::vector<float> A1 = download_typed(wf.a, FQ_BF16, na), R1 = download_typed(wf.rec, FQ_F32, nit * FQ_REC_FLOATS);
+        std::vector<float> A1 = download_typed(wf.a, FQ_BF16, nit * FQ_APACK_ELEMS), R1 = download_typed(wf.rec, FQ_F32, nit * FQ_REC_FLOATS);
         double num = 0, den = 0, gmax = 0, amax = 0;
         for (size_t it = 0; it < nit; it++) {
             if (ch[it / pb.HV].seq < 0) continue;
             for (int e = 0; e < 64 * 64; e++) {
-                /* the fused forward's stage A stores A'' = A diag(beta) (beta: record .y) */
-                double x = A1[it * 4096 + e], y = A0[it * 4096 + e] * R1[it * FQ_REC_FLOATS + FQ_REC_BETA + e % 64];
+                /* the fused forward's stage A stores A'' = A diag(beta) (beta: record .y),
+                 * packed (fq_apack_index; the blocks above the diagonal are not stored: 0) */
+                const int pi = fq_apack_index(e / 64, e % 64);
+                double x = pi < 0 ? 0.0 : A1[it * FQ_APACK_ELEMS + pi], y = A0[it * 4096 + e] * R1[it * FQ_REC_FLOATS + FQ_REC_BETA + e % 64];
                 if (!isfinite(x)) num = INFINITY;
                 num += (x - y) * (x - y); den += y * y;
                 amax = std::max(amax, fabs(x - y));

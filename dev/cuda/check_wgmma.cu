@@ -55,7 +55,10 @@ static __device__ void put_acc(float *D, int ldd, const float (&d)[NR])
  * case 1: D = A B, A regs [64 m][64 k], B [64 k][64 n] MN-major, RS, n64
  * case 2: D = A B, A regs [64][64], B [64 k][128 n] as two MN-major tiles, RS, n128
  * case 3: D = C - A B^T, A regs [64 m][128 k], B [64 n][128 k] as two K-major tiles, RS, n64, neg
- * case 4: D = A B with A [64 m][128 k] K-major from smem (two tiles), B [64 n][128 k] K-major, SS, n64 */
+ * case 4: D = A B with A [64 m][128 k] K-major from smem (two tiles), B [64 n][128 k] K-major, SS, n64
+ * case 5: D = A B^T, A regs [64 m][64 k], B [64 n][64 k] zero above the 16 x 16 block diagonal
+ *         (n < 16 (k / 16)), in the fused forward's A'' tile (no swizzle, K-step kk at 2048 kk,
+ *         core matrices LBO 128, SBO 256; gdn_cuda_common.cuh), RS, n64 */
 __global__ void __launch_bounds__(128) k_test(int which, const __nv_bfloat16 *A, const __nv_bfloat16 *Bm,
                                               const float *C, float *D)
 {
@@ -123,6 +126,22 @@ __global__ void __launch_bounds__(128) k_test(int which, const __nv_bfloat16 *A,
         fq_wgmma_wait<0>();
         fq_reg_fence(d64);
         put_acc(D, 64, d64);
+    } else if (which == 5) {
+        for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
+            const int r = idx / 64, c = idx % 64, kk = c >> 4;
+            const __nv_bfloat16 b = fq_apack_index(r, c) < 0 ? __float2bfloat16(0.f) : Bm[idx];
+            *(__nv_bfloat16 *)(sm + 2048 * kk + ((r >> 3) * 2 + ((c >> 3) & 1)) * 128 + (r & 7) * 16 + (c & 7) * 2) = b;
+        }
+        fq_fence_async_smem();
+        __syncthreads();
+        uint32_t a[4][4];
+        for (int kk = 0; kk < 4; kk++) frag_a(a[kk], A, 64, kk);
+        fq_wgmma_fence();
+        for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(d64, a[kk], fq_desc_interleave(s0 + 2048 * kk, 128, 256), kk > 0);
+        fq_wgmma_commit();
+        fq_wgmma_wait<0>();
+        fq_reg_fence(d64);
+        put_acc(D, 64, d64);
     } else {
         put_tile(sm, A, 128, 0, 0);
         put_tile(sm + 8192, A, 128, 0, 64);
@@ -163,16 +182,18 @@ int main(void)
     CK(cudaMemcpy(dB, hB, sizeof hB, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dC, hC, sizeof hC, cudaMemcpyHostToDevice));
     const char *names[] = {"ss n64 K/K", "rs n64 B MN-major", "rs n128 B MN-major (2 tiles)",
-                           "rs n64 B K-major (2 tiles), -A, +C", "ss n64 K/K (2 tiles each)"};
+                           "rs n64 B K-major (2 tiles), -A, +C", "ss n64 K/K (2 tiles each)",
+                           "rs n64 B K-major no swizzle (A'' tile)"};
     int fails = 0;
-    for (int which = 0; which < 5; which++) {
-        int N = which == 2 ? 128 : 64, Kd = (which >= 3) ? 128 : 64;
+    for (int which = 0; which < 6; which++) {
+        int N = which == 2 ? 128 : 64, Kd = (which == 3 || which == 4) ? 128 : 64;
         for (int m = 0; m < 64; m++)
             for (int c = 0; c < N; c++) {
                 double s = 0;
                 for (int k = 0; k < Kd; k++) {
                     double a = fA[m * Kd + k];
                     double b = (which == 1 || which == 2) ? fB[k * N + c] : fB[c * Kd + k];
+                    if (which == 5 && c < 16 * (k / 16)) b = 0.0; /* not stored, not multiplied */
                     s += a * b;
                 }
                 ref[m * N + c] = (float)(which == 3 ? hC[m * 64 + c] - s : s);

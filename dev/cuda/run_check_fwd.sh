@@ -52,7 +52,7 @@ if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   print_sanitize _fwd
   exit 0
 fi
-NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -Icsrc/cuda -Idev/cuda -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
+NV="nvcc ${FQ_NVFLAGS:-} -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -Icsrc/cuda -Idev/cuda -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
 gcc -std=c11 -O2 -c csrc/gdn_common.c -o $B/gdn_common.o || exit 1
 pids=""
 for f in dev/cuda/check_fwd.cu csrc/cuda/gdn_cuda_fwd.cu csrc/cuda/gdn_cuda_fwd_wy.cu csrc/cuda/gdn_cuda_fwd_state.cu \
