@@ -390,7 +390,8 @@ typedef struct fq_fwd_ws {
     fq_bf16 *a;              /* [nc_max, HV, 64, 64] A = (I+L)^-1, written by
                                 fq_cuda_fwd_wy only when non-NULL; the forward
                                 leaves it NULL (for the backward's use);
-                                the fused forward's stage A writes it      */
+                                the fused forward's stage A writes A'' there,
+                                packed: [nc_max, HV, FQ_APACK_ELEMS]       */
     float *rec;              /* fused forward: [nc_max, HV, FQ_REC_FLOATS] the
                                 gate record (NULL otherwise)               */
     /* fused forward, its segments (context parallelism):                    */
