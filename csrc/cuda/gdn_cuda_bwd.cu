@@ -75,8 +75,7 @@ typedef struct fq_bwd_ws {
     fq_bf16 *a;    /* [nc, HV, 64, 64] */
     fq_bf16 *dsl;  /* [nc, HV, K, V]   */
     float *dgam;   /* [nc, HV, 64]     */
-    float *dqp, *dkp; /* [B*T, HV, K]; dqp is unused since the separate dq/dk
-                         reduction was removed (kept: workspace size unchanged) */
+    float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
 } fq_bwd_ws;
 
 static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -97,8 +96,7 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->a, fq_bf16 *, nc * HV * 64 * 64 * 2);
     FQ_CARVE(ws->dsl, fq_bf16 *, nc * HV * K * V * 2);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
-    FQ_CARVE(ws->dqp, float *, BT * HV * K * 4);
-    FQ_CARVE(ws->dkp, float *, BT * HV * K * 4);
+    FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
 #undef FQ_CARVE
     ws->f.a = ws->a;
     return off;
@@ -143,7 +141,6 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     args.dvl = ws.f.u; /* U is dead after stage 2 */
     args.dsl = ws.dsl;
     args.dgam = ws.dgam;
-    args.dqp = ws.dqp;
     args.dkp = ws.dkp;
     args.q = p->q;
     args.k = p->k;
@@ -159,7 +156,6 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     args.dt = p->dtype;
     args.gdt = p->gate_dtype;
     args.dout_async = p->dtype == FQ_BF16 && ((uintptr_t)p->dout & 15) == 0;
-    args.dko_group = 1;
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.scale = (float)p->scale;

@@ -99,16 +99,13 @@ struct fq_bwd_args {
     fq_bf16 *dvl;      /* [nc, HV, 64, V]: dv_local (step 3), then dVn (step 4) */
     fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4) */
     float *dgam;       /* [nc, HV, 64] dgamma of step 3                          */
-    float *dqp, *dkp;  /* [B*T, HV, K] per-value-head dq, dk                     */
+    float *dkp;        /* [B*T, H, K] bwd_local's dK_O summed over the GVA group  */
     const void *q, *k, *beta, *dout;
     const float *dht;
     void *dq, *dk, *dv, *dg, *dbeta;
     float *dh0;
     fq_dtype dt, gdt;
     int dout_async;    /* dout is bf16 and 16-byte aligned: cp.async rows */
-    int dko_group;     /* 1: dkp holds bwd_local's dK_O summed over the GVA group
-                          in the slot of the group's first value head; always 1
-                          now (0 was for the removed unfused bwd_local) */
     int H, HV;
     float scale;
     int state_vk;      /* [serving] dht, dh0 (and h0) stored [V][K] (fq_state_at) */
@@ -116,7 +113,7 @@ struct fq_bwd_args {
 
 /* bwd_local (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head)
  * looping over the GVA group; dq finished in the block (GVA sum + L2-norm
- * backward), dK_O summed over the group (a.dko_group = 1 for bwd_wy); the
+ * backward), dK_O summed over the group (into a.dkp, for bwd_wy); the
  * chunk-start state is loaded as a second cp.async group, waited for only
  * before dO S^T. nc: chunk-table bound (grid x). */
 fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);

@@ -465,13 +465,9 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
             for (int h = 0; h < 2; h++) {
                 const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
                 if (r < len) {
-                    const float *src = a.dkp + ((int64_t)(ci.row0 + r) * HV + hq * G) * K + col;
-                    const int ng = a.dko_group ? 1 : G;
-                    for (int jj = 0; jj < ng; jj++) {
-                        const float2 p = *(const float2 *)(src + (int64_t)jj * K);
-                        dK[i][jn][2 * h] += p.x;
-                        dK[i][jn][2 * h + 1] += p.y;
-                    }
+                    const float2 p = *(const float2 *)(a.dkp + ((int64_t)(ci.row0 + r) * H + hq) * K + col);
+                    dK[i][jn][2 * h] += p.x;
+                    dK[i][jn][2 * h + 1] += p.y;
                 }
             }
     if (a.rk) {
@@ -635,10 +631,10 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
     float dQ[NTK][4][4];
 #pragma unroll
     for (int i = 0; i < NTK; i++) fq_zero_tile(dQ[i]);
-    /* dK_O is summed over the group in a.dkp (the group's first slot): each
-     * thread adds to the elements it wrote itself for the previous head, so
-     * no synchronisation is needed and the registers stay free. */
-    float *dko = a.dkp + ((int64_t)ci.row0 * HV + hq * G) * K;
+    /* dK_O is summed over the group in a.dkp ([B*T, H, K]): each thread adds
+     * to the elements it wrote itself for the previous head, so no
+     * synchronisation is needed and the registers stay free. */
+    float *dko = a.dkp + ((int64_t)ci.row0 * H + hq) * K;
 
     for (int jj = 0; jj < G; jj++) {
         const int j = hq * G + jj;
@@ -809,7 +805,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
                     for (int h = 0; h < 2; h++) {
                         const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
                         if (r < len) {
-                            float2 *pk = (float2 *)(dko + (int64_t)r * HV * K + col);
+                            float2 *pk = (float2 *)(dko + (int64_t)r * H * K + col);
                             float2 x = make_float2(acc[jn][2 * h], acc[jn][2 * h + 1]);
                             if (jj > 0) {
                                 const float2 y = *pk;
