@@ -17,7 +17,7 @@
  * forward's 5e-3 error budget, dev/cuda/sim_fwd_fused_numerics.py).
  *
  * Three warpgroups (384 threads), one CTA per SM (~215 KB of shared memory at
- * K = 128: three stages of 45 KB plus the exchange buffers):
+ * K = 128: three stages of 48 KB plus the exchange buffers):
  *   WG0, producer: one thread issues the TMA loads of a chunk's Q, K, V
  *        (this CTA's 64 columns) tiles, A'' (packed, bulk copy) and its gate record into the
  *        stage (mbarrier `full`), three chunks deep; warps 1..3 check V for
