@@ -508,44 +508,55 @@ def recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, inter=None
     """The hot path of gdn_recurrent without cu_seqlens and fused gates: the
     decode step (one call per layer and token) and the speculative verify
     (intermediate_states, update_state=False), either state layout. When
-    nothing needs preparing (plain contiguous tensors that do not require
-    grad, gates already float32 or q's dtype, indices on q's device) and
-    nothing traces the call (see _plain_eager), the op's kernel is called
-    with no Python checks of its own: the binding checks every argument and
-    its messages name them. On CUDA: torch's current stream as a raw int and
-    no workspace (the step needs one only with cu_seqlens). Returns None when
-    the call is not of that kind (gdn_recurrent then takes the full path)."""
+    nothing needs preparing (plain tensors that do not require grad, gates
+    already float32 or q's dtype, indices on q's device) and nothing traces
+    the call (see _plain_eager), the op's kernel is called with no Python
+    checks of its own: the binding checks every argument (contiguity
+    included) before it does anything, and an argument it refuses sends the
+    call down the full path, which makes inputs contiguous or raises its own
+    error naming the argument. scale None or a float goes to the binding as
+    it came (None: K ** -0.5 there, the same double). On CUDA: torch's
+    current stream as a raw int and no workspace (the step needs one only
+    with cu_seqlens). Returns None when the call is not of that kind
+    (gdn_recurrent then takes the full path)."""
     if not _plain_eager():
         return None
-    for x in (q, k, v, g, beta, state):
-        if type(x) is not Tensor or x.requires_grad or not x.is_contiguous():
+    for x in (q, k, v, g, beta, state):  # (contiguity: the binding checks it, see below)
+        if type(x) is not Tensor or x.requires_grad:
             return None
     if g.dtype != beta.dtype or (g.dtype != torch.float32 and g.dtype != q.dtype):
         return None
     dev = q.get_device()                                       # -1 on the CPU
-    if idx is not None and (type(idx) is not Tensor or not idx.is_contiguous() or
-                            idx.get_device() != dev):
+    if idx is not None and (type(idx) is not Tensor or idx.get_device() != dev):
         return None
     serving = not (inter is None and update_state is True and state_layout == "kv")
     if serving:                                                # verify, the [V, K] layout
         if not ((update_state is True or update_state is False) and
                 (state_layout == "kv" or state_layout == "vk")):
             return None
-        if inter is not None and (type(inter) is not Tensor or inter.requires_grad or
-                                  not inter.is_contiguous()):
+        if inter is not None and (type(inter) is not Tensor or inter.requires_grad):
             return None
-    scale = scale_of(scale, q)
+    if scale is not None and type(scale) is not float:
+        scale = scale_of(scale, q)  # (None: the binding's K ** -0.5, the same double)
     c = _to_dlpack
     kw = {}                                                    # decode: the defaults
     if serving:
         kw = {"intermediate_states": None if inter is None else c(inter),
               "update_state": update_state, "state_layout": state_layout}
+    if idx is not None:
+        kw["state_indices"] = c(idx)
+    if use_qk_l2norm:
+        kw["use_qk_l2norm"] = True
     if q.is_cuda:
         kw["stream"] = TORCH.cuda_stream(dev)
     o = torch.empty_like(v)                                    # [B, T, HV, V]
-    _C.recurrent(c(q), c(k), c(v), c(g), c(beta), c(state), c(o), scale=scale,
-                 state_indices=None if idx is None else c(idx),
-                 use_qk_l2norm=bool(use_qk_l2norm), **kw)
+    try:
+        _C.recurrent(c(q), c(k), c(v), c(g), c(beta), c(state), c(o), scale=scale, **kw)
+    except (ValueError, TypeError):
+        # the binding refused an argument before doing anything (a non-contiguous
+        # array, or a bad one): the checked path makes the inputs contiguous, or
+        # raises its own error naming the argument
+        return None
     return o
 
 

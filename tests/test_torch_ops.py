@@ -265,6 +265,43 @@ def test_recurrent_fast_path_verify_and_layouts_equal_the_op(monkeypatch, layout
     assert_close("o", o1, o_ref, TOL32)
 
 
+@pytest.mark.parametrize("scale", [None, 32 ** -0.5, 0.3, np.float32(0.3), 1])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_recurrent_fast_path_scale_and_strided_inputs_equal_the_op(scale, strided, dtype):
+    """The hot path hands scale None or a float to the binding as it came (None:
+    K ** -0.5 there, the same double as Python's) and other types through
+    scale_of; a non-contiguous q or v, which the binding refuses, sends the
+    call down the full path. Every variant gives the op's bits, and scale None
+    the bits of scale = K ** -0.5 (float64: the scale's double itself)."""
+    inp = make_inputs(3, 1, 2, 4, 32, 32, seed=17, h0=False)
+    t = cast_inputs_torch(inp, dtype)
+    q, v = t["q"], t["v"]
+    if strided:  # the same values, every other element of a wider tensor
+        q = torch.stack([q, torch.zeros_like(q)], dim=-1).flatten(-2)[..., ::2]
+        v = torch.stack([v, torch.zeros_like(v)], dim=-1).flatten(-2)[..., ::2]
+        assert not q.is_contiguous() and not v.is_contiguous()
+        assert torch.equal(q, t["q"]) and torch.equal(v, t["v"])
+    pool = torch.randn(4, 4, 32, 32, dtype=torch.float64 if dtype == "float64" else torch.float32)
+    idx = torch.tensor([3, 0, 1], dtype=torch.int32)
+    args = (q, t["k"], v, t["g"], t["beta"])
+    out = []
+    for mode in ("fast", "op", "explicit"):
+        p = pool.clone()
+        sc = 32 ** -0.5 if mode == "explicit" and scale is None else scale
+        if mode == "op":
+            with _Recorder():
+                o = flashqla.gdn_recurrent(*args, p, state_indices=idx, scale=sc)
+        else:
+            o = flashqla.gdn_recurrent(*args, p, state_indices=idx, scale=sc)
+        out.append((o, p))
+    for o, p in out[1:]:
+        assert torch.equal(out[0][0], o) and torch.equal(out[0][1], p)
+    o_ref, _ = reference.recurrent(*(to_f64(x) for x in args), pool.numpy(), state_indices=idx.numpy(),
+                                   scale=None if scale is None else float(scale))
+    assert_close("o", out[0][0], o_ref, tolerance(dtype, "o"))
+
+
 def test_recurrent_fast_path_rejected_verify_leaves_the_buffers():
     """A verify call the binding rejects (intermediate_states of the wrong
     layout) raises ValueError naming it and writes nothing."""

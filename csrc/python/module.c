@@ -174,7 +174,7 @@ static PyObject *fq_chunk_fwd(PyObject *self, PyObject *args, PyObject *kwds)
         return NULL;
     }
     if (fq_call_validate(&c, stream) < 0) goto fail;
-    if (scale_default) scale = 1.0 / sqrt((double)c.K);
+    if (scale_default) scale = pow((double)c.K, -0.5); /* as Python's K ** -0.5 */
     fq_call_params(&c, &p, scale, l2, num_threads);
     p.q = slots[Q].a.data;
     p.k = slots[K].a.data;
@@ -262,7 +262,7 @@ static PyObject *fq_chunk_bwd(PyObject *self, PyObject *args, PyObject *kwds)
                         "initial_state or leave dinitial_state None");
         goto fail;
     }
-    if (scale_default) scale = 1.0 / sqrt((double)c.K);
+    if (scale_default) scale = pow((double)c.K, -0.5); /* as Python's K ** -0.5 */
     fq_call_params(&c, &p, scale, l2, num_threads);
     p.q = slots[Q].a.data;
     p.k = slots[K].a.data;
@@ -336,7 +336,7 @@ static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
     if (fq_parse_scale(scale_obj, "recurrent", &scale, &scale_default) < 0) return NULL;
     if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
     if (fq_call_validate(&c, stream) < 0) goto fail;
-    if (scale_default) scale = 1.0 / sqrt((double)c.K);
+    if (scale_default) scale = pow((double)c.K, -0.5); /* as Python's K ** -0.5 */
     fq_call_params(&c, &p, scale, l2, num_threads);
     p.q = slots[Q].a.data;
     p.k = slots[K].a.data;
