@@ -530,7 +530,7 @@ __global__ void __launch_bounds__(384, 1)
             float xacc[32], vacc[32];
             const uint64_t dk = fq_desc_sw128(fq_smem_u32(st + SM::off_k), 16, 1024);
             const uint64_t dkm = fq_desc_sw128(fq_smem_u32(st + SM::off_k), FQ_TILE, 1024);
-            const uint32_t sa = fq_smem_u32(st + SM::off_a); /* A'' packed by K-step */
+            const uint32_t sa = fq_smem_u32(st + SM::off_a); /* A'' (dense, no swizzle) */
             /* V^T in the accumulator layout (V [r][v]: 8 x 8 blocks transposed by
              * ldmatrix; block (nb, h) = rows 8 nb.., columns 16 w + 8 h..), zeros
              * for an M block; loaded first, used after group 1 */
