@@ -49,23 +49,21 @@ static __device__ __forceinline__ uint32_t fq_sw128(int row, int b)
     return (uint32_t)(row * 128 + (b ^ ((row & 7) << 4)));
 }
 
-/* wgmma shared-memory matrix descriptor, SWIZZLE_128B (layout type 1):
- * start address, leading-dimension byte offset, stride-dimension byte offset
- * (each >> 4 in its 14-bit field). */
-static __device__ __forceinline__ uint64_t fq_desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo)
-{
-    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-           ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-
 /* wgmma shared-memory matrix descriptor, no swizzle (layout type 0): the
  * operand as 8 x 8 core matrices (8 rows of 16 bytes, 128 bytes contiguous);
- * lbo = the byte offset between core matrices adjacent in K, sbo = between
- * core matrices adjacent in M or N. */
+ * start address, lbo = the byte offset between core matrices adjacent in K,
+ * sbo = between core matrices adjacent in M or N (each >> 4 in its 14-bit
+ * field). */
 static __device__ __forceinline__ uint64_t fq_desc_interleave(uint32_t saddr, uint32_t lbo, uint32_t sbo)
 {
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
            ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32);
+}
+
+/* The same fields with SWIZZLE_128B (layout type 1). */
+static __device__ __forceinline__ uint64_t fq_desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo)
+{
+    return fq_desc_interleave(saddr, lbo, sbo) | (1ull << 62);
 }
 
 /* ------------------------------------------------------------ warpgroup ---- */

@@ -15,6 +15,9 @@
 #     time`), then the quick check and the tiny memcheck/racecheck runs with
 #     the defaults.
 #     build/ab reuse $B/check_fwd when it exists.
+#   FQ_NVFLAGS: extra nvcc flags for every object (e.g. a -D that a temporary
+#     #ifndef in the sources reads: a variant binary to time against the default
+#     one in the same device call; benchmarks/NOTES.md, session 7).
 set -u
 MODE=${1:-full}
 OUTDIR=${OUT:-/tmp}; mkdir -p "$OUTDIR"
