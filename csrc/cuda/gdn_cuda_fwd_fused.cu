@@ -114,6 +114,27 @@ struct fq_fused_args {
 
 #define FQ_LOG2E 1.4426950408889634f
 
+#ifdef FQ_FUSED_TIMELINE
+/* dev only (-DFQ_FUSED_TIMELINE, dev/cuda/check_fwd.cu `timeline`): per CTA of
+ * the last FULL launch, clock64 at events 0..7 and the SM id (slot 8):
+ * 0 entry, 1 segment read, 2 chain's start state loaded, 3 chain's first
+ * stage checked, 4 chain's first chunk done, 5 chain's loop done, 6 chain's
+ * end state stored, 7 output warpgroup done */
+#define FQ_TL_CTAS 8192
+__device__ unsigned long long fq_tl[FQ_TL_CTAS][10];
+#define FQ_TL(ev) do { if (!MAP && blockIdx.x < FQ_TL_CTAS) fq_tl[blockIdx.x][ev] = clock64(); } while (0)
+extern "C" int fq_cuda_fused_timeline(unsigned long long *host, int n)
+{
+    if (n > FQ_TL_CTAS) n = FQ_TL_CTAS;
+    if (cudaMemcpyFromSymbol(host, fq_tl, (size_t)n * 10 * 8) != cudaSuccess) return -1;
+    void *d = NULL; /* cleared for the next shape */
+    if (cudaGetSymbolAddress(&d, fq_tl) != cudaSuccess || cudaMemset(d, 0, sizeof fq_tl) != cudaSuccess) return -1;
+    return n;
+}
+#else
+#define FQ_TL(ev) do { } while (0)
+#endif
+
 #if FQ_SM90A
 /* A 64 x 64 fp32 tile in shared memory, [row][col] with rows of 68 floats
  * (the padding keeps the fragment stores and float4 loads below free of bank
@@ -198,6 +219,12 @@ __global__ void __launch_bounds__(384, 1)
      * V's columns (none for an M block) */
     const int mblk = MAP && cb < KT;
     const int vb = MAP ? cb - KT : cb;
+    if (tid == 0) {
+        FQ_TL(0);
+#ifdef FQ_FUSED_TIMELINE
+        if (!MAP && blockIdx.x < FQ_TL_CTAS) { unsigned sm; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm)); fq_tl[blockIdx.x][8] = sm; }
+#endif
+    }
 
     if (tid == 0) {
         for (int s = 0; s < FQ_FUSED_STAGES; s++) {
@@ -232,6 +259,7 @@ __global__ void __launch_bounds__(384, 1)
     /* the segment table, A'' and the record come from the kernels before */
     fq_pdl_wait();
     const fq_seg_info si = args.segs[gs];
+    if (tid == 0) FQ_TL(1);
     /* (block-uniform exits, before any role split) */
     if (si.seq < 0 || (MAP && si.index == si.count - 1)) return;
     const int nch = si.nchunks;
@@ -466,6 +494,7 @@ __global__ void __launch_bounds__(384, 1)
             }
         }
         if (tp == 0) fq_bulk_wait0(); /* the last tile stores are complete */
+        if (tp == 0) FQ_TL(7);
     } else {
         /* ------------------------------------------------------- chain ---- */
         fq_setmaxnreg_inc232();
@@ -508,6 +537,7 @@ __global__ void __launch_bounds__(384, 1)
         uint32_t sb[K / 16][4];
 #pragma unroll
         for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
+        if (tc == 0) FQ_TL(2);
         /* S^T (bf16, [v][kd]) of the chunk's start for the output warpgroup's Q S,
          * into buffer b once the output warpgroup has read what was there */
         auto hand_state = [&](int c) {
@@ -525,6 +555,7 @@ __global__ void __launch_bounds__(384, 1)
             const int s = i % FQ_FUSED_STAGES, b = i & 1;
             unsigned char *st = smem + s * SM::stage;
             fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
+            if (tc == 0 && i == 0) FQ_TL(3);
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const float *kdv = rec + FQ_REC_KD, *fav = rec + FQ_REC_FA1;
             float xacc[32], vacc[32];
@@ -641,6 +672,7 @@ __global__ void __launch_bounds__(384, 1)
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
             fq_mbar_arrive(&empty[s]); /* K, V, A'' and the record read */
+            if (tc == 0 && i == 0) FQ_TL(4);
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
             if constexpr (!MAP) {
@@ -670,7 +702,9 @@ __global__ void __launch_bounds__(384, 1)
             dcols = V;
             dvk = args.vk;
         }
+        if (tc == 0) FQ_TL(5);
         if (dst) fq_chain_store_state<K>(S, dst + dbase, c0, dcols, dvk, w, g, t);
+        if (tc == 0) FQ_TL(6);
     }
 #endif
 }

@@ -580,6 +580,9 @@ static float time_it(fq_gdn_params *p, const fq_fwd_ws *ws, int what, timed_fn f
     return median(ms);
 }
 
+#ifdef FQ_FUSED_TIMELINE
+extern "C" int fq_cuda_fused_timeline(unsigned long long *host, int n);
+#endif
 static int g_time_bv = 0, g_time_ks = 0; /* stage B column width, K-split for the timed runs */
 
 static void run_stage(fq_gdn_params *p, const fq_fwd_ws *ws, int what)
@@ -900,6 +903,60 @@ int main(int argc, char **argv)
      * plus 16/32 1x32768 (for A/B runs of the dev switches, one process per
      * setting since the library reads them once) */
     int timeonly = argc > 1 && strcmp(argv[1], "time") == 0;
+#ifdef FQ_FUSED_TIMELINE
+    /* `timeline`: per-CTA event clocks of the fused FULL pass (built with
+     * -DFQ_FUSED_TIMELINE; gdn_cuda_fwd_fused.cu's FQ_TL events), for a few
+     * shapes: medians over CTAs of the steps, and per SM the gaps between one
+     * CTA's end and the next one's entry (cycles) */
+    if (argc > 1 && strcmp(argv[1], "timeline") == 0) {
+        const int shapes[][4] = {{16, 32, 8, 1024}, {16, 32, 8, 4096}, {16, 32, 1, 2048}, {16, 32, 1, 8192}, {16, 64, 2, 16384}};
+        for (auto &sh : shapes) {
+            Problem pb = {};
+            pb.B = sh[2]; pb.T = sh[3]; pb.H = sh[0]; pb.HV = sh[1]; pb.K = 128; pb.V = 128;
+            pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
+            g_fast_rand = 1;
+            make_inputs(pb, 4.0);
+            fq_gdn_params p;
+            Dev d = upload_chunk(pb, 0, &p);
+            for (int i = 0; i < 3; i++)
+                if (fq_cuda_chunk_fwd(&p) != FQ_OK) { printf("timeline: %s\n", fq_last_error()); return 1; }
+            CK(cudaDeviceSynchronize());
+            std::vector<unsigned long long> tl(8192 * 10);
+            int n = fq_cuda_fused_timeline(tl.data(), 8192);
+            std::vector<int> live;
+            for (int c = 0; c < n; c++) if (tl[10 * c]) live.push_back(c);
+            const char *nm[7] = {"entry->seg", "seg->S0", "S0->chk0", "chk0->done0", "done0->loop", "loop->stored", "loop->out"};
+            const int a[7] = {0, 1, 2, 3, 4, 5, 5}, b[7] = {1, 2, 3, 4, 5, 6, 7};
+            printf("timeline %d/%d %dx%d: %zu CTAs (cycles; median / max over CTAs)\n", sh[0], sh[1], sh[2], sh[3], live.size());
+            for (int e = 0; e < 7; e++) {
+                std::vector<double> v;
+                for (int c : live) v.push_back((double)(long long)(tl[10 * c + b[e]] - tl[10 * c + a[e]]));
+                std::sort(v.begin(), v.end());
+                printf("  %-14s %9.0f %9.0f\n", nm[e], v.empty() ? 0. : v[v.size() / 2], v.empty() ? 0. : v.back());
+            }
+            /* per SM: CTAs in entry order; gap = next entry - max(end state stored, output done) */
+            std::vector<double> gaps, life;
+            for (int sm = 0; sm < 256; sm++) {
+                std::vector<std::pair<unsigned long long, int>> q;
+                for (int c : live) if ((int)tl[10 * c + 8] == sm) q.push_back({tl[10 * c], c});
+                std::sort(q.begin(), q.end());
+                for (size_t i = 0; i < q.size(); i++) {
+                    const int c = q[i].second;
+                    const unsigned long long end = std::max(tl[10 * c + 6], tl[10 * c + 7]);
+                    life.push_back((double)(end - tl[10 * c]));
+                    if (i + 1 < q.size()) gaps.push_back((double)(long long)(q[i + 1].first - end));
+                }
+            }
+            std::sort(gaps.begin(), gaps.end());
+            std::sort(life.begin(), life.end());
+            printf("  CTA life median %.0f, gap end->next entry median %.0f max %.0f (%zu gaps)\n",
+                   life.empty() ? 0. : life[life.size() / 2], gaps.empty() ? 0. : gaps[gaps.size() / 2],
+                   gaps.empty() ? 0. : gaps.back(), gaps.size());
+            free_dev(d);
+        }
+        return 0;
+    }
+#endif
     /* `prof H HV T`: three forwards of one sequence, nothing else (for ncu) */
     if (argc > 1 && strcmp(argv[1], "prof") == 0) {
         Problem pb = {};
