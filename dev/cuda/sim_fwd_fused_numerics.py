@@ -60,8 +60,18 @@ def chunk_forward(q, k, v, g, beta, h0, scale, opt):
         Qg = bf16(Q * (scale * np.exp(gam))[:, None])
         Kd = bf16(Kc * np.exp(gam[-1] - gam)[:, None])
         Sb = bf16(S)
+        if opt.get("x") in ("cross", "cross2") and c0 > 0:
+            # X = K S from the previous chunk's pieces (off the chain's critical path):
+            # e^{gamma_C'} K bf16(S') + bf16(K K'^T) bf16(diag(kd') Vn'), G split in two parts for cross2
+            Gx = f32(Kc) @ f32(prev["K"]).T
+            Gh = bf16(Gx)
+            X = prev["eC"] * (f32(Kc) @ prev["Sb"]) + Gh @ prev["Vnd"]
+            if opt["x"] == "cross2":
+                X = X + bf16(Gx - Gh) @ prev["Vnd"]
+        else:
+            X = f32(Kc) @ Sb
         if opt.get("vn") in ("ay", "ay2"):  # Vn = A'' (V - diag(e^gamma) K S): no W, no U
-            Y = f32(Vc) - np.exp(gam)[:, None] * (f32(Kc) @ Sb)
+            Y = f32(Vc) - np.exp(gam)[:, None] * X
             Yh = bf16(Y)
             Vn = A2 @ Yh
             if opt["vn"] == "ay2":            # Y split into two bf16 parts
@@ -70,6 +80,12 @@ def chunk_forward(q, k, v, g, beta, h0, scale, opt):
             Vn = U - W @ Sb
         Vnb = bf16(Vn)
         o[c0:c0 + 64] = bf16(Qg @ Sb + P @ Vnb)
+        if opt.get("x") in ("cross", "cross2"):   # the kernel's update: raw K, diag(kd) on Vn
+            kd = np.exp(gam[-1] - gam)
+            Vnd = bf16(kd[:, None] * Vn)
+            prev = {"K": Kc, "Sb": Sb, "eC": np.float32(np.exp(gam[-1])), "Vnd": Vnd}
+            S = np.exp(gam[-1]) * S + f32(Kc).T @ Vnd
+            continue
         S = np.exp(gam[-1]) * S + Kd.T @ Vnb
     return o, S
 
@@ -111,6 +127,13 @@ def run(opt, T=4096, HV=4, seed=1):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "cross":
+        # the cross-chunk form of X (NOTES, session 8) against today's kernel (vn ay2, x direct)
+        for T, seed in ((2048, 1), (2048, 2), (4096, 3)):
+            for x in ("direct", "cross", "cross2"):
+                eo, eh = run({"inv": "bf16", "a_store": "bf16", "u": "fp32", "vn": "ay2", "x": x}, T=T, seed=seed)
+                print(f"T {T} seed {seed} x {x:7s} o {eo:.2e}  ht {eh:.2e}")
+        sys.exit()
     for opt in ({"inv": "fp32", "a_store": "fp32", "u": "fp32"},
                 {"inv": "fp32", "a_store": "fp32", "u": "bf16"},
                 {"inv": "fp32", "a_store": "bf16", "u": "fp32"},
