@@ -1,0 +1,97 @@
+#!/bin/bash
+# dev/cuda/run_ab.sh: A/B timing of two source trees' forward in one device call.
+# A is this tree, B another worktree (a branch with a kernel change); both binaries
+# are built here, on the development machine, and carried:
+#
+#   here:    bash dev/cuda/run_ab.sh build /work/wt/<branch>
+#            -> .devbin/check_fwd_a, check_fwd_b (check_fwd.cu of each tree), and
+#               check_fwd_tl_a, check_fwd_tl_b (the same with -DFQ_FUSED_TIMELINE)
+#   device:  bash dev/cuda/run_ab.sh run          (carry [".devbin"])
+#
+# run: `check_fwd time` of A, B, A, B (drift shows as A vs A), B's quick check against
+# the float64 reference, compute-sanitizer memcheck (tiny) and racecheck (race) of B,
+# the CTA timelines of A and B; a table of the per-row times (total, stage A, main
+# kernel) of both, last. Logs in $OUT.
+set -u
+MODE=${1:-run}
+OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/../.." || exit 1
+BIN=$PWD/.devbin
+if [ "$MODE" = build ]; then
+    OTHER=${2:?usage: run_ab.sh build OTHER_TREE}
+    rm -rf "$BIN"; mkdir -p "$BIN" # (the four binaries, ~60 MB, are what the 64 MiB carry holds)
+    for side in a b; do
+        tree=$PWD; [ $side = b ] && tree=$OTHER
+        for tl in "" _tl; do
+            flags=""; [ -n "$tl" ] && flags="-DFQ_FUSED_TIMELINE"
+            rm -f /tmp/fqbuild/*.o /tmp/fqbuild/check_fwd
+            (cd "$tree" && FQ_NVFLAGS="$flags" bash dev/cuda/run_check_fwd.sh build > /tmp/ab_build_$side$tl.log 2>&1) ||
+                { tail -30 /tmp/ab_build_$side$tl.log; exit 1; }
+            cp /tmp/fqbuild/check_fwd "$BIN/check_fwd$tl"_$side
+            grep -E "inverse_kernelILi128|fused_kernelILi128" /tmp/ab_build_$side$tl.log | sed "s/^/  $side$tl: /"
+        done
+    done
+    ls -la "$BIN"
+    exit 0
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+for k in 1 2; do
+    for side in a b; do
+        timeout 120 "$BIN/check_fwd_$side" time > "$OUTDIR/time_${side}$k.log" 2>&1 || echo "time $side$k: exit $?"
+    done
+done
+echo "=== B quick"
+timeout 150 "$BIN/check_fwd_b" quick > "$OUTDIR/quick_b.log" 2>&1; rc=$?
+grep -E "FAIL" "$OUTDIR/quick_b.log" | head -20
+echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_b.log") ok, $(grep -c FAIL "$OUTDIR/quick_b.log") FAIL lines)"
+grep -E "correctness:" "$OUTDIR/quick_b.log"
+echo "=== B memcheck (tiny) and racecheck (race), in parallel"
+( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/check_fwd_b" tiny > "$OUTDIR/memcheck_b.log" 2>&1 ) &
+j1=$!
+( timeout 120 compute-sanitizer --tool racecheck --print-limit 20 "$BIN/check_fwd_b" race > "$OUTDIR/racecheck_b.log" 2>&1 ) &
+j2=$!
+wait $j1 $j2
+echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' "$OUTDIR/memcheck_b.log" | tail -3 | tr '\n' ' ')"
+echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' "$OUTDIR/racecheck_b.log" | tail -3 | tr '\n' ' ')"
+for side in a b; do
+    echo "=== timeline $side"
+    timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
+    cat "$OUTDIR/timeline_$side.log"
+done
+echo "=== per row (ms): total / stage A (inverse) / main kernel, runs A1 B1 A2 B2"
+python3 - "$OUTDIR" <<'PY'
+import os, sys
+d = sys.argv[1]
+def rows(path):
+    out, on = {}, False
+    for line in open(path):
+        if line.startswith("shape (ms)"):
+            on = True
+            continue
+        if on and "|" in line:
+            a, b, c, *_ = line.split("|")
+            toks = a.split()
+            n = 0
+            while n < len(toks):
+                try:
+                    float(toks[n])
+                    break
+                except ValueError:
+                    n += 1
+            shape = " ".join(toks[:n])
+            tot = float(b.split()[0]); inv, fused = (float(x) for x in c.split()[:2])
+            out[shape] = (tot, inv, fused)
+        elif on:
+            on = False
+    return out
+runs = [(n, rows(os.path.join(d, f"time_{n}.log"))) for n in ("a1", "b1", "a2", "b2")
+        if os.path.exists(os.path.join(d, f"time_{n}.log"))]
+shapes = [s for s in runs[0][1]] if runs else []
+print(f"{'row':18s} " + " ".join(f"{n:>20s}" for n, _ in runs) + "   B/A total")
+for s in shapes:
+    cells = [" / ".join(f"{x:.3f}" for x in r.get(s, (0, 0, 0))) for _, r in runs]
+    a = [r[s][0] for n, r in runs if n[0] == "a" and s in r]
+    b = [r[s][0] for n, r in runs if n[0] == "b" and s in r]
+    ratio = f"{min(b) / min(a):.3f}" if a and b else "-"
+    print(f"{s:18s} " + " ".join(f"{c:>20s}" for c in cells) + f"   {ratio}")
+PY
