@@ -1021,6 +1021,57 @@ static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_
     }
 }
 
+/* L's block row W (warp W's, in mma accumulators l[n], n8 block n; l holds
+ * K K^T's block row on entry) in its common case: every entry c <= r
+ * finite. The same arithmetic as fq_inv_item's general form (the same bits),
+ * with which entries enter L known at compile time outside the diagonal 16 x 16
+ * block and no causality bookkeeping: chk = sum of x * 0 over the entries
+ * c <= r stays exactly 0 when all are finite (a non-finite x makes it NaN).
+ * Returns that test; where it fails, the caller forms the row again by the
+ * general form (from kkt), which zeroes and reports the bad entries. */
+template <int W>
+static __device__ __forceinline__ int fq_inv_l_fast(float (*l)[4], const float *bet, const float *rkv, const float *gam,
+                                                    int gq, int tq)
+{
+    const float L2E = 1.4426950408889634f;
+    float fr[2], gr[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = 16 * W + gq + 8 * h;
+        fr[h] = bet[r] * rkv[r];
+        gr[h] = gam[r] * L2E;
+    }
+    float chk = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2 * W + 2; n++) { /* (blocks above the row's diagonal stay zero) */
+        const int c0 = 8 * n + 2 * tq;
+        const float k0 = rkv[c0], k1 = rkv[c0 + 1], g0 = gam[c0] * L2E, g1 = gam[c0 + 1] * L2E;
+        const bool diag = (n >> 1) == W;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, odd = e & 1;
+            if (diag && (n & 1) && h == 0) { /* columns 16 W + 8.., rows 16 W + gq: above the diagonal */
+                l[n][e] = 0.f;
+                continue;
+            }
+            const float x = fr[h] * (odd ? k1 : k0) * exp2f(gr[h] - (odd ? g1 : g0)) * l[n][e];
+            if (!diag || !(n & 1)) {
+                if (!diag || h == 1) { /* below the diagonal 8 x 8 blocks: c < r */
+                    chk = fmaf(x, 0.f, chk);
+                    l[n][e] = x;
+                    continue;
+                }
+            }
+            /* the diagonal 8 x 8 blocks (n even, h = 0; n odd, h = 1): column 2 tq + odd
+             * against row gq of the block */
+            const int cc = 2 * tq + odd;
+            chk = cc <= gq ? fmaf(x, 0.f, chk) : chk;
+            l[n][e] = cc < gq ? x : 0.f;
+        }
+    }
+    return chk == 0.f;
+}
+
 /* One item (chunk, value head j): the warp's block row of K K^T (kkt, this
  * warp's fragments), gate vectors and A (its blocks above the diagonal zero)
  * in shared memory, 128 threads.
@@ -1041,7 +1092,22 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         const float4 x = kkt[32 * n + lane];
         l[n][0] = x.x, l[n][1] = x.y, l[n][2] = x.z, l[n][3] = x.w;
     }
-    {
+    int fast;
+    switch (warp) {
+    case 0: fast = fq_inv_l_fast<0>(l, bet, rkv, gam, gq, tq); break;
+    case 1: fast = fq_inv_l_fast<1>(l, bet, rkv, gam, gq, tq); break;
+    case 2: fast = fq_inv_l_fast<2>(l, bet, rkv, gam, gq, tq); break;
+    default: fast = fq_inv_l_fast<3>(l, bet, rkv, gam, gq, tq); break;
+    }
+    if (__all_sync(0xffffffffu, fast)) {
+        if (lane == 0) ((uint32_t *)((unsigned char *)Ld + (SM::off_bad - SM::off_d)))[warp] = 0u; /* no bad row */
+    } else {
+        /* the general form, from K K^T again */
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const float4 x = kkt[32 * n + lane];
+            l[n][0] = x.x, l[n][1] = x.y, l[n][2] = x.z, l[n][3] = x.w;
+        }
         /* the row factors beta_r rk_r and gamma_r of this thread's rows, then
          * column block by column block (blocks above warp w's are all zero;
          * only the diagonal one needs the c < r mask).
@@ -1200,11 +1266,21 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             const int r = 16 * kk + 8 * (q >> 4) + (q & 7), c = 16 * kk + 8 * ((q >> 3) & 1);
             uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
             uint32_t *px = (uint32_t *)&x;
+            const float4 b0 = *(const float4 *)(bet + c), b1 = *(const float4 *)(bet + c + 4);
+            const float bc[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            if (f == 64) { /* (block-uniform: no bad row, the common case) */
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 y = fq_unpack_bf16(px[e]);
-                px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bet[c + 2 * e] : 0.f,
-                                     c + 2 * e + 1 < f ? y.y * bet[c + 2 * e + 1] : 0.f);
+                for (int e = 0; e < 4; e++) {
+                    const float2 y = fq_unpack_bf16(px[e]);
+                    px[e] = fq_pack_bf16(y.x * bc[2 * e], y.y * bc[2 * e + 1]);
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 y = fq_unpack_bf16(px[e]);
+                    px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bc[2 * e] : 0.f,
+                                         c + 2 * e + 1 < f ? y.y * bc[2 * e + 1] : 0.f);
+                }
             }
             *(uint4 *)(ag + 8 * p) = x;
         }
