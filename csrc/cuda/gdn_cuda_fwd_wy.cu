@@ -1150,8 +1150,16 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         }
     }
 
-    /* D_w = (I + L_ww)^-1: lane c < 16 solves column c,
-     * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c] */
+    /* D_w = (I + L_ww)^-1 by its 8 x 8 blocks: D_w = [[D0, 0], [X, D1]] with
+     * D_b = (I + L_bb)^-1 (L_bb: the diagonal 8 x 8 blocks of L_ww) and
+     * X = -D1 (L_10 D0). Step 1, lanes 8 b + c (c < 8): column c of D_b,
+     *   D_b[i][c] = delta_ic - sum_{j<i} L_bb[i][j] D_b[j][c];
+     * step 2, all lanes, column c = lane % 8, rows i = lane / 8 and + 4:
+     *   Y[i][c] = sum_j L_10[i][j] D0[j][c],  X[i][c] = -sum_k D1[i][k] Y[k][c]
+     * (the zeros of D0, D1 above their diagonals are exact, so the sums run
+     * over all 8 terms). L_ww in fp32 at Lw, D0 / D1 and Y in fp32 in the
+     * warp's scratch tile (free until level 1 below); D_w in bf16 into A (its
+     * upper right 8 x 8 block is never written: zero from the start). */
     float *Lw = Ld + warp * 16 * SM::LDD;
     {
         float lw[2][4];
@@ -1166,21 +1174,51 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             }
     }
     __syncwarp();
-    if (lane < 16) {
-        const int c = lane;
-        float x[16];
+    {
+        float *Dw = (float *)(Xs + warp * 16 * SM::LDX); /* [16][16] D0, D1; then Y [8][8] at 256 */
+        static_assert(16 * SM::LDX * 2 >= (256 + 64) * 4, "D_w's blocks and Y fit the warp's scratch");
+        fq_bf16 *Aw = Ab + 16 * warp * SM::LDA + 16 * warp;
+        const int c = lane & 7;
+        if (lane < 16) {
+            const int b8 = 8 * (lane >> 3);
+            float x[8];
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f;
+            for (int i = 0; i < 8; i++) {
+                float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f;
 #pragma unroll
-            for (int jb = 0; jb < i; jb++) {
-                if (jb & 1) s1 -= Lw[i * SM::LDD + jb] * x[jb];
-                else s0 -= Lw[i * SM::LDD + jb] * x[jb];
+                for (int j = 0; j < i; j++) {
+                    if (j & 1) s1 -= Lw[(b8 + i) * SM::LDD + b8 + j] * x[j];
+                    else s0 -= Lw[(b8 + i) * SM::LDD + b8 + j] * x[j];
+                }
+                x[i] = s0 + s1;
             }
-            x[i] = s0 + s1;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                Dw[(b8 + i) * 16 + b8 + c] = x[i];
+                Aw[(b8 + i) * SM::LDA + b8 + c] = __float2bfloat16_rn(x[i]);
+            }
+        }
+        __syncwarp();
+        const int i0 = lane >> 3;
+        float y[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float d = Dw[j * 16 + c];
+#pragma unroll
+            for (int q = 0; q < 2; q++) y[q] += Lw[(8 + i0 + 4 * q) * SM::LDD + j] * d;
         }
 #pragma unroll
-        for (int i = 0; i < 16; i++) Ab[(16 * warp + i) * SM::LDA + 16 * warp + c] = __float2bfloat16_rn(x[i]);
+        for (int q = 0; q < 2; q++) Dw[256 + (i0 + 4 * q) * 8 + c] = y[q];
+        __syncwarp();
+        float xo[2] = {0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float yk = Dw[256 + k * 8 + c];
+#pragma unroll
+            for (int q = 0; q < 2; q++) xo[q] -= Dw[(8 + i0 + 4 * q) * 16 + 8 + k] * yk;
+        }
+#pragma unroll
+        for (int q = 0; q < 2; q++) Aw[(8 + i0 + 4 * q) * SM::LDA + c] = __float2bfloat16_rn(xo[q]);
     }
     __syncthreads();
 
