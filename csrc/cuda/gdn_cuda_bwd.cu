@@ -203,6 +203,8 @@ extern "C" fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p)
     fq_status st = fq_check_params_device(p, 'b');
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
+    /* K = V = 256 is forward-only on CUDA (issue 7 item 4: its backward is not built) */
+    if ((st = fq_cuda_check_head_dims_128(p, "the CUDA backward")) != FQ_OK) return st;
     if ((st = fq_cuda_check_contents(p, 'b')) != FQ_OK) return st; /* FLASHQLA_CHECK_INPUTS=1 */
     if ((st = fq_cuda_check_serving(p)) != FQ_OK) return st;
     return fq_cuda_on_device(p, fq_chunk_bwd_on_device);

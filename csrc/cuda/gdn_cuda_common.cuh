@@ -63,12 +63,33 @@ static inline fq_status fq_cuda_check_workspace(const fq_gdn_params *p, size_t n
 }
 
 /* The stage launchers' fallthrough after their K, V template dispatch. The
- * entry points refuse other head dims first (fq_cuda_fwd_check_sizes), so
- * this is only reached by a caller that skipped that check. */
+ * entry points refuse other head dims first (fq_cuda_fwd_check_sizes, and
+ * fq_cuda_check_head_dims_128 for the kernels without K = V = 256), so this
+ * is only reached by a caller that skipped those checks. */
 static inline fq_status fq_cuda_head_dims_unsupported(const fq_gdn_params *p)
 {
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
+    return fq_fail(FQ_ERR_VALUE, "k, v: this CUDA kernel supports K, V in {64, 128}, got K=%lld V=%lld",
                    (long long)p->K, (long long)p->V);
+}
+
+/* Head dims the chunked forward takes: K, V in {64, 128} (any pair), or
+ * K = V = 256 (the three-stage forward only; issue 7 item 4). The backward
+ * and the recurrent step are built for K, V in {64, 128} only: their entry
+ * points call fq_cuda_check_head_dims_128 after fq_cuda_fwd_check_sizes,
+ * with `what` naming the operation for the message. */
+static inline fq_status fq_cuda_check_head_dims_128(const fq_gdn_params *p, const char *what)
+{
+    if (p->K != 64 && p->K != 128)
+        return fq_fail(FQ_ERR_VALUE,
+                       "k: %s supports head dims K in {64, 128} (K = V = 256 runs the CUDA chunked "
+                       "forward only), got K=%lld",
+                       what, (long long)p->K);
+    if (p->V != 64 && p->V != 128)
+        return fq_fail(FQ_ERR_VALUE,
+                       "v: %s supports head dims V in {64, 128} (K = V = 256 runs the CUDA chunked "
+                       "forward only), got V=%lld",
+                       what, (long long)p->V);
+    return FQ_OK;
 }
 
 #define FQ_CHUNK 64 /* chunk size C */
@@ -425,7 +446,8 @@ size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws
 #define FQ_CP_MIN_CHUNKS 8
 int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* 1 when the fused forward runs for p on the current device: an sm_90 GPU
- * running this module's sm_90a code, K and V in {64, 128}. */
+ * running this module's sm_90a code, K and V in {64, 128} (never K = 256:
+ * the three-stage forward runs it). */
 int fq_cuda_fwd_fused_available(const fq_gdn_params *p);
 /* Stage A of the fused forward: gamma, A = (I+L)^-1 (as A diag(beta), bf16,
  * into ws->a) and the gate record ws->rec per (chunk, value head). */
@@ -433,8 +455,10 @@ fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaS
 /* The fused state pass and outputs: o and, if non-NULL, ht. */
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 
-/* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}; dtype not
- * F64). Returns FQ_OK or a failure with the message set. */
+/* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}, or K = V
+ * = 256 (the forward only: the backward and the recurrent step add
+ * fq_cuda_check_head_dims_128); dtype not F64). Returns FQ_OK or a failure
+ * with the message set. */
 fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
 
 /* The stages; each launches on `stream` (device already set), checks its

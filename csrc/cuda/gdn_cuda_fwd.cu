@@ -180,14 +180,22 @@ extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
     if (p->state_dtype != FQ_F32)
         return fq_fail(FQ_ERR_TYPE, "initial_state: the CUDA backend keeps states in float32, got %s",
                        fq_dtype_name(p->state_dtype));
-    if (p->K != 64 && p->K != 128)
+    /* K, V in {64, 128} in any pair, or K = V = 256 (issue 7 item 4; the
+     * three-stage forward only, fq_cuda_fwd_fused_available says no there) */
+    if (p->K != 64 && p->K != 128 && p->K != 256)
         return fq_fail(FQ_ERR_VALUE,
-                       "k: the CUDA backend supports head dims K in {64, 128}, got K=%lld",
+                       "k: the CUDA backend supports head dims K in {64, 128} (and K = V = 256 in the "
+                       "chunked forward), got K=%lld",
                        (long long)p->K);
-    if (p->V != 64 && p->V != 128)
+    if (p->V != 64 && p->V != 128 && p->V != 256)
         return fq_fail(FQ_ERR_VALUE,
-                       "v: the CUDA backend supports head dims V in {64, 128}, got V=%lld",
+                       "v: the CUDA backend supports head dims V in {64, 128} (and K = V = 256 in the "
+                       "chunked forward), got V=%lld",
                        (long long)p->V);
+    if ((p->K == 256) != (p->V == 256))
+        return fq_fail(FQ_ERR_VALUE,
+                       "%s: the CUDA backend takes head dim 256 only as K = V = 256, got K=%lld V=%lld",
+                       p->K == 256 ? "v" : "k", (long long)p->K, (long long)p->V);
     if (p->B * p->T >= ((int64_t)1 << 30) || p->N >= ((int64_t)1 << 30))
         return fq_fail(FQ_ERR_VALUE, "q: too many tokens for the CUDA backend (B*T=%lld)",
                        (long long)(p->B * p->T));

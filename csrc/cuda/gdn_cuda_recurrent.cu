@@ -671,6 +671,8 @@ extern "C" fq_status fq_cuda_recurrent(const fq_gdn_params *p)
     fq_status st = fq_check_params_device(p, 'r');
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_fwd_check_sizes(p)) != FQ_OK) return st;
+    /* the step's kernels are built for K in {64, 128} (issue 7 item 4: not K = V = 256) */
+    if ((st = fq_cuda_check_head_dims_128(p, "the CUDA recurrent step")) != FQ_OK) return st;
     if ((st = fq_cuda_check_contents(p, 'r')) != FQ_OK) return st; /* FLASHQLA_CHECK_INPUTS=1 */
     if ((st = fq_cuda_check_serving(p)) != FQ_OK) return st;
     if ((((uintptr_t)p->state | (uintptr_t)p->q | (uintptr_t)p->k | (uintptr_t)p->v |
