@@ -2,6 +2,7 @@
 outputs) and through the public API (PyTorch CUDA tensors, CuPy, JAX GPU
 arrays): forward, backward, autograd, T = 32768 with strong decay, padded
 varlen batches, K = V = 64 and 128, bf16 / fp16 / fp32 inputs, bad inputs,
+K = V = 256 (forward and recurrent step; the backward refuses it),
 a CUDA-graph capture and replay of forward + backward, and the recurrent
 step against the CPU backend.
 
@@ -230,6 +231,78 @@ def test_cuda_recurrent_equals_chunked_forward():
     o_rec = torch.cat(outs, dim=1)
     assert_close("o (recurrent vs chunked)", o_rec, to_f64(o_chunk), gpu_tol("o"))
     assert_close("state (recurrent vs chunked)", pool, to_f64(ht_chunk), gpu_tol("ht"))
+
+
+# ----------------------------------------------------------- K = V = 256 ----
+# issue 7 item 4: the CUDA chunked forward (the three-stage forward; the fused
+# sm_90a one takes 64 and 128 only) and the recurrent step take K = V = 256;
+# the CUDA backward does not, and raises ValueError naming k.
+
+K256_CASES = {
+    "bf16-varlen-gva": _case(1, 0, 2, 4, 256, 256, seqlens=[1, 63, 64, 65, 0, 300]),
+    "fp32-l2norm": _case(2, 200, 2, 4, 256, 256, dtype="float32", l2norm=True),
+    "fp16-no-h0": _case(2, 130, 1, 2, 256, 256, dtype="float16", h0=False),
+    "T2048-strong-decay": _case(1, 2048, 1, 2, 256, 256, a_max=16.0),
+}
+
+
+@pytest.mark.parametrize("name", list(K256_CASES))
+def test_cuda_forward_k256_matches_reference(name):
+    case = K256_CASES[name]
+    opt = case[1]
+    _, t = _inputs(case)
+    o, ht = c_chunk_fwd(t, use_qk_l2norm=opt["l2norm"])  # on NaN-filled outputs
+    torch.cuda.synchronize()
+    ref = reference_of(t, use_qk_l2norm=opt["l2norm"], grads=False)
+    assert o.dtype == t["q"].dtype and o.device.type == "cuda"
+    assert_close("o", o, ref["o"], gpu_tol("o"))
+    assert_close("final_state", ht, ref["ht"], gpu_tol("ht"))
+
+
+def test_cuda_k256_autograd_forward_runs_backward_raises():
+    """gdn_chunk at K = V = 256 on CUDA with inputs that require grad: the
+    forward runs and matches the reference; the backward (not built at
+    K = 256) raises ValueError naming k when autograd runs it, as does the
+    direct backward call; 256 with another head dim is refused up front."""
+    _, t = _inputs(_case(1, 0, 1, 2, 256, 256, seqlens=[70, 58]))
+    leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, ht = flashqla.gdn_chunk(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                               leaves["beta"], initial_state=leaves["h0"],
+                               output_final_state=True, cu_seqlens=t["cu_seqlens"])
+    ref = reference_of(t, grads=False)
+    assert_close("o", o, ref["o"], gpu_tol("o"))
+    assert_close("final_state", ht, ref["ht"], gpu_tol("ht"))
+    with pytest.raises(ValueError, match=r"k: the CUDA backward supports head dims K in \{64, 128\}"):
+        (o.float().sum() + ht.sum()).backward()
+    with pytest.raises(ValueError, match="k: the CUDA backward"):
+        c_chunk_bwd(t)
+    with pytest.raises(ValueError, match="^v:.*K = V = 256"):   # 256 only as K = V = 256
+        flashqla.gdn_chunk(t["q"], t["k"], t["v"][..., :128].contiguous(), t["g"], t["beta"])
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("T", [1, 6])  # 1: one token per stage; 6: two groups of 4
+def test_cuda_recurrent_k256_matches_reference(T, layout):
+    N, H, HV, K, V, P = 4, 1, 2, 256, 256, 6
+    inp = make_inputs(N, T, H, HV, K, V, seed=10 + T, h0=False)
+    t = cast_inputs_torch(inp, "bfloat16", "float32", device="cuda")
+    rng = np.random.default_rng(1)
+    pool = torch.tensor(rng.standard_normal((P, HV, K, V)) * 0.5, dtype=torch.float32)
+    idx = torch.tensor([5, -1, 0, 3], dtype=torch.int32)
+    o_ref, pool_ref = reference.recurrent(*(to_f64(t[n]) for n in ("q", "k", "v", "g", "beta")),
+                                          pool.double().numpy(), state_indices=idx.numpy())
+    pool_gpu = pool.cuda() if layout == "kv" else pool.transpose(2, 3).contiguous().cuda()
+    o = flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool_gpu,
+                               state_indices=idx.cuda(), state_layout=layout)
+    torch.cuda.synchronize()
+    if layout == "vk":
+        pool_gpu = pool_gpu.transpose(2, 3)
+    live = [0, 2, 3]
+    assert torch.count_nonzero(o[1]) == 0, "a padded sequence gets o = 0"
+    assert_close("o", o[live], o_ref[live], gpu_tol("o"))
+    assert_close("state", pool_gpu, pool_ref, gpu_tol("ht"))
+    for s in (1, 2, 4):
+        assert torch.equal(pool_gpu[s].cpu(), pool[s]), f"slot {s} must not change"
 
 
 # ------------------------------------------------------------ bad inputs ----

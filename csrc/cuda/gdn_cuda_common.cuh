@@ -64,7 +64,7 @@ static inline fq_status fq_cuda_check_workspace(const fq_gdn_params *p, size_t n
 
 /* The stage launchers' fallthrough after their K, V template dispatch. The
  * entry points refuse other head dims first (fq_cuda_fwd_check_sizes, and
- * fq_cuda_check_head_dims_128 for the kernels without K = V = 256), so this
+ * fq_cuda_check_head_dims_128 for the backward, built without K = V = 256), so this
  * is only reached by a caller that skipped those checks. */
 static inline fq_status fq_cuda_head_dims_unsupported(const fq_gdn_params *p)
 {
@@ -72,22 +72,23 @@ static inline fq_status fq_cuda_head_dims_unsupported(const fq_gdn_params *p)
                    (long long)p->K, (long long)p->V);
 }
 
-/* Head dims the chunked forward takes: K, V in {64, 128} (any pair), or
- * K = V = 256 (the three-stage forward only; issue 7 item 4). The backward
- * and the recurrent step are built for K, V in {64, 128} only: their entry
- * points call fq_cuda_check_head_dims_128 after fq_cuda_fwd_check_sizes,
- * with `what` naming the operation for the message. */
+/* Head dims the chunked forward and the recurrent step take: K, V in
+ * {64, 128} (any pair), or K = V = 256 (issue 7 item 4; the chunked
+ * forward runs its three-stage form there). The backward is built for K, V
+ * in {64, 128} only: its entry point calls fq_cuda_check_head_dims_128
+ * after fq_cuda_fwd_check_sizes, with `what` naming the operation for the
+ * message. */
 static inline fq_status fq_cuda_check_head_dims_128(const fq_gdn_params *p, const char *what)
 {
     if (p->K != 64 && p->K != 128)
         return fq_fail(FQ_ERR_VALUE,
-                       "k: %s supports head dims K in {64, 128} (K = V = 256 runs the CUDA chunked "
-                       "forward only), got K=%lld",
+                       "k: %s supports head dims K in {64, 128} (K = V = 256 runs the CUDA forward and "
+                       "recurrent step only), got K=%lld",
                        what, (long long)p->K);
     if (p->V != 64 && p->V != 128)
         return fq_fail(FQ_ERR_VALUE,
-                       "v: %s supports head dims V in {64, 128} (K = V = 256 runs the CUDA chunked "
-                       "forward only), got V=%lld",
+                       "v: %s supports head dims V in {64, 128} (K = V = 256 runs the CUDA forward and "
+                       "recurrent step only), got V=%lld",
                        what, (long long)p->V);
     return FQ_OK;
 }
@@ -456,7 +457,7 @@ fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaS
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 
 /* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}, or K = V
- * = 256 (the forward only: the backward and the recurrent step add
+ * = 256 (the forward and the recurrent step; the backward adds
  * fq_cuda_check_head_dims_128); dtype not F64). Returns FQ_OK or a failure
  * with the message set. */
 fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);

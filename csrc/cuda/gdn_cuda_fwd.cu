@@ -180,17 +180,18 @@ extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
     if (p->state_dtype != FQ_F32)
         return fq_fail(FQ_ERR_TYPE, "initial_state: the CUDA backend keeps states in float32, got %s",
                        fq_dtype_name(p->state_dtype));
-    /* K, V in {64, 128} in any pair, or K = V = 256 (issue 7 item 4; the
-     * three-stage forward only, fq_cuda_fwd_fused_available says no there) */
+    /* K, V in {64, 128} in any pair, or K = V = 256 (issue 7 item 4: the
+     * chunked forward (three stages there, fq_cuda_fwd_fused_available says
+     * no) and the recurrent step; the backward refuses it) */
     if (p->K != 64 && p->K != 128 && p->K != 256)
         return fq_fail(FQ_ERR_VALUE,
                        "k: the CUDA backend supports head dims K in {64, 128} (and K = V = 256 in the "
-                       "chunked forward), got K=%lld",
+                       "forward and the recurrent step), got K=%lld",
                        (long long)p->K);
     if (p->V != 64 && p->V != 128 && p->V != 256)
         return fq_fail(FQ_ERR_VALUE,
                        "v: the CUDA backend supports head dims V in {64, 128} (and K = V = 256 in the "
-                       "chunked forward), got V=%lld",
+                       "forward and the recurrent step), got V=%lld",
                        (long long)p->V);
     if ((p->K == 256) != (p->V == 256))
         return fq_fail(FQ_ERR_VALUE,

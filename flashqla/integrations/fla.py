@@ -14,7 +14,9 @@ kernels) plugs in this way; register() adds flashqla the same way, ahead of
 it (priority 2; FlashQLA has 3). Set FLA_FLASHQLA=0 to switch it off again.
 
 flashqla takes a call when its backend can run it: tensors on the CPU, or on
-a CUDA device with flashqla's CUDA backend built and K, V in {64, 128}; and
+a CUDA device with flashqla's CUDA backend built and K, V in {64, 128} (not
+K = V = 256: flashqla's CUDA backward does not take it, so such calls, which
+may be training ones, go on to FLA's kernels); and
 none of the options flashqla does not implement (the ones its
 chunk_gated_delta_rule refuses, see flashqla.chunk_gated_delta_rule).
 Anything else goes on to the next backend, with FLA's reason logged.
