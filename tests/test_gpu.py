@@ -305,6 +305,56 @@ def test_cuda_recurrent_k256_matches_reference(T, layout):
         assert torch.equal(pool_gpu[s].cpu(), pool[s]), f"slot {s} must not change"
 
 
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_cuda_k256_pool_prefill_and_checkpoints(layout):
+    """The serving forms of the K = V = 256 forward (stage B's pool, layout
+    and checkpoint code at K = 256): prefill through a pool equals gather ->
+    gdn_chunk -> scatter bit for bit and the reference; checkpoints every 64
+    tokens match the reference's states, the last one of a sequence whose
+    length is a multiple of 64 is its final state bit for bit."""
+    seqlens = [70, 0, 1, 300, 64]
+    inp, t = _inputs(_case(1, 0, 2, 4, 256, 256, seqlens=seqlens, h0=False))
+    args = [t[n] for n in ("q", "k", "v", "g", "beta")]
+    cu = t["cu_seqlens"]
+    tr = (lambda x: x) if layout == "kv" else (lambda x: x.transpose(-1, -2).contiguous())
+    pool = tr(torch.randn(7, 4, 256, 256, device="cuda") * 0.5)
+    idx = torch.tensor([5, -1, 2, 6, 0], dtype=torch.int32, device="cuda")
+    ok = idx >= 0
+    h0 = torch.zeros((len(seqlens),) + tuple(pool.shape[1:]), device="cuda")
+    h0[ok] = pool[idx[ok].long()]
+    o_ref, ht = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   state_layout=layout)
+    want = pool.clone()
+    want[idx[ok].long()] = ht[ok]
+    got = pool.clone()
+    o, none = flashqla.gdn_chunk(*args, state=got, state_indices=idx, cu_seqlens=cu,
+                                 state_layout=layout)
+    torch.cuda.synchronize()
+    assert none is None
+    assert torch.equal(o, o_ref)
+    assert torch.equal(got, want)
+    f = [to_f64(x) for x in args]
+    h0kv = to_f64(tr(h0))
+    ro, rht = reference.forward(*f, initial_state=h0kv, cu_seqlens=inp["cu_seqlens"])
+    assert_close("o", o, ro, gpu_tol("o"))
+    assert_close("slot 6", tr(got[6]), rht[3], gpu_tol("ht"))
+    # checkpoints (from the same h0)
+    o2, ht2, (ck, cuck) = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True,
+                                             cu_seqlens=cu, checkpoint_every=64, state_layout=layout)
+    torch.cuda.synchronize()
+    assert torch.equal(o2, o_ref) and torch.equal(ht2, ht)
+    counts = [L // 64 for L in seqlens]
+    assert cuck.cpu().tolist() == list(np.concatenate([[0], np.cumsum(counts)]))
+    traj = reference.states(*f, initial_state=h0kv, cu_seqlens=inp["cu_seqlens"])
+    c0 = cuck.cpu().tolist()
+    for n, L in enumerate(seqlens):
+        for c in range(L // 64):
+            assert_close(f"seq {n} ckpt {c}", tr(ck[c0[n] + c]), traj[n][64 * (c + 1) - 1], gpu_tol("ht"))
+        if L and L % 64 == 0:
+            assert torch.equal(ck[c0[n + 1] - 1], ht[n])
+    assert torch.all(ck[c0[-1]:] == 0)
+
+
 # ------------------------------------------------------------ bad inputs ----
 
 def _base_cuda():
