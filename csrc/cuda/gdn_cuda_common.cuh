@@ -95,6 +95,12 @@ static inline fq_status fq_cuda_check_head_dims_128(const fq_gdn_params *p, cons
 
 #define FQ_CHUNK 64 /* chunk size C */
 
+/* The H100 / H200 opt-in shared memory per block (227 KB): the budget the
+ * three-stage forward's kernels at K = V = 256 are laid out for (stage B's
+ * ring depth, stage C's 199 KB); gdn_cuda_fwd.cu refuses K = 256 on a GPU
+ * that offers less. */
+#define FQ_SMEM_OPTIN_H100 (227 * 1024)
+
 typedef __nv_bfloat16 fq_bf16;
 
 /* ------------------------------------------------ dtype load / store ---- */

@@ -423,6 +423,19 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
 static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
 {
     cudaStream_t stream = (cudaStream_t)caller->stream;
+    if (caller->K == 256) {
+        /* K = V = 256 runs stage kernels laid out for Hopper's 227 KB of
+         * shared memory per block (stage C alone takes 199 KB): a clear
+         * error elsewhere instead of a failed launch */
+        int dev = 0, optin = 0;
+        FQ_CUDA_CHECK(cudaGetDevice(&dev));
+        FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+        if (optin < FQ_SMEM_OPTIN_H100)
+            return fq_fail(FQ_ERR_VALUE,
+                           "k: the CUDA forward at K = V = 256 needs %d bytes of shared memory per block "
+                           "(H100 / H200); this GPU offers %d",
+                           FQ_SMEM_OPTIN_H100, optin);
+    }
     /* [serving] fused gates: float32 g, beta pre-passed into the gate region
      * at the workspace's start; p is the call as the stages see it */
     fq_gdn_params pg;

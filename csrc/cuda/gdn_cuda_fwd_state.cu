@@ -307,9 +307,6 @@ static fq_status fq_launch_state_ns(const fq_state_args &args, int64_t blocks, i
                        fq_cuda_pdl_enabled(), args, V);
 }
 
-/* The H100 / H200 opt-in shared memory per block (227 KB). */
-#define FQ_STATE_SMEM_MAX (227 * 1024)
-
 /* One block per SM or fewer: 4-deep ring (150-210 KB at K <= 128); at
  * K = 256 a ring stage is 70-76 KB (W, K tiles 33 KB each), so the deepest
  * ring that fits: 3-deep at bv16 (217 KB), else 2-deep (147-183 KB). More
@@ -319,12 +316,12 @@ static fq_status fq_launch_state(const fq_state_args &args, int64_t blocks, int 
                                   cudaStream_t stream)
 {
     if (blocks <= sms) {
-        if constexpr (fq_fwd_state_smem<K, NW, 4, KS>::bytes <= FQ_STATE_SMEM_MAX)
+        if constexpr (fq_fwd_state_smem<K, NW, 4, KS>::bytes <= FQ_SMEM_OPTIN_H100)
             return fq_launch_state_ns<K, NW, 4, KS>(args, blocks, V, stream);
-        else if constexpr (fq_fwd_state_smem<K, NW, 3, KS>::bytes <= FQ_STATE_SMEM_MAX)
+        else if constexpr (fq_fwd_state_smem<K, NW, 3, KS>::bytes <= FQ_SMEM_OPTIN_H100)
             return fq_launch_state_ns<K, NW, 3, KS>(args, blocks, V, stream);
     }
-    static_assert(fq_fwd_state_smem<K, NW, 2, KS>::bytes <= FQ_STATE_SMEM_MAX, "2-deep ring must fit");
+    static_assert(fq_fwd_state_smem<K, NW, 2, KS>::bytes <= FQ_SMEM_OPTIN_H100, "2-deep ring must fit");
     return fq_launch_state_ns<K, NW, 2, KS>(args, blocks, V, stream);
 }
 
