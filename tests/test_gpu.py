@@ -2,7 +2,7 @@
 outputs) and through the public API (PyTorch CUDA tensors, CuPy, JAX GPU
 arrays): forward, backward, autograd, T = 32768 with strong decay, padded
 varlen batches, K = V = 64 and 128, bf16 / fp16 / fp32 inputs, bad inputs,
-K = V = 256 (forward and recurrent step; the backward refuses it),
+K = V = 256 (forward, backward, recurrent step),
 a CUDA-graph capture and replay of forward + backward, and the recurrent
 step against the CPU backend.
 
@@ -57,6 +57,10 @@ GPU_CASES = {
     "zero-decay": _case(1, 2000, 1, 2, 128, 128, a_max=0.0),
     "varlen-padded": _case(1, 0, 2, 4, 128, 128, seqlens=[1, 63, 0, 64, 65, 1000, 7]),
     "T32768-strong-decay": _case(1, 32768, 1, 2, 128, 128, a_max=16.0),
+    # K = V = 256 (issue 7 item 4): the three-stage forward, the backward's
+    # 64-row h slices in bwd_local and its K-split bwd_state
+    "bf16-K256-varlen-gva": _case(1, 0, 2, 4, 256, 256, seqlens=[1, 63, 64, 65, 0, 100]),
+    "fp32-K256-l2norm": _case(1, 130, 1, 2, 256, 256, dtype="float32", l2norm=True),
 }
 
 
@@ -235,12 +239,11 @@ def test_cuda_recurrent_equals_chunked_forward():
 
 # ----------------------------------------------------------- K = V = 256 ----
 # issue 7 item 4: the CUDA chunked forward (the three-stage forward; the fused
-# sm_90a one takes 64 and 128 only) and the recurrent step take K = V = 256;
-# the CUDA backward does not, and raises ValueError naming k.
+# sm_90a one takes 64 and 128 only), its backward and the recurrent step take
+# K = V = 256 (forward and backward against the reference: GPU_CASES above).
 
 K256_CASES = {
     "bf16-varlen-gva": _case(1, 0, 2, 4, 256, 256, seqlens=[1, 63, 64, 65, 0, 300]),
-    "fp32-l2norm": _case(2, 200, 2, 4, 256, 256, dtype="float32", l2norm=True),
     "fp16-no-h0": _case(2, 130, 1, 2, 256, 256, dtype="float16", h0=False),
     "T2048-strong-decay": _case(1, 2048, 1, 2, 256, 256, a_max=16.0),
 }
@@ -259,23 +262,22 @@ def test_cuda_forward_k256_matches_reference(name):
     assert_close("final_state", ht, ref["ht"], gpu_tol("ht"))
 
 
-def test_cuda_k256_autograd_forward_runs_backward_raises():
-    """gdn_chunk at K = V = 256 on CUDA with inputs that require grad: the
-    forward runs and matches the reference; the backward (not built at
-    K = 256) raises ValueError naming k when autograd runs it, as does the
-    direct backward call; 256 with another head dim is refused up front."""
-    _, t = _inputs(_case(1, 0, 1, 2, 256, 256, seqlens=[70, 58]))
+def test_cuda_k256_autograd_matches_reference():
+    """gdn_chunk at K = V = 256 on CUDA through autograd (forward and
+    backward) against the reference; 256 with another head dim is refused."""
+    _, t = _inputs(_case(1, 0, 1, 2, 256, 256, seqlens=[70, 58], l2norm=True))
     leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
     o, ht = flashqla.gdn_chunk(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
                                leaves["beta"], initial_state=leaves["h0"],
-                               output_final_state=True, cu_seqlens=t["cu_seqlens"])
-    ref = reference_of(t, grads=False)
+                               output_final_state=True, cu_seqlens=t["cu_seqlens"],
+                               use_qk_l2norm=True)
+    ((o.float() * t["do"].float()).sum() + (ht * t["dht"]).sum()).backward()
+    ref = reference_of(t, use_qk_l2norm=True)
     assert_close("o", o, ref["o"], gpu_tol("o"))
     assert_close("final_state", ht, ref["ht"], gpu_tol("ht"))
-    with pytest.raises(ValueError, match=r"k: the CUDA backward supports head dims K in \{64, 128\}"):
-        (o.float().sum() + ht.sum()).backward()
-    with pytest.raises(ValueError, match="k: the CUDA backward"):
-        c_chunk_bwd(t)
+    for name, leaf in zip(GRAD_NAMES, leaves.values()):
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.is_cuda
+        assert_close(name, leaf.grad, ref[name], gpu_tol(name))
     with pytest.raises(ValueError, match="^v:.*K = V = 256"):   # 256 only as K = V = 256
         flashqla.gdn_chunk(t["q"], t["k"], t["v"][..., :128].contiguous(), t["g"], t["beta"])
 

@@ -63,42 +63,20 @@ static inline fq_status fq_cuda_check_workspace(const fq_gdn_params *p, size_t n
 }
 
 /* The stage launchers' fallthrough after their K, V template dispatch. The
- * entry points refuse other head dims first (fq_cuda_fwd_check_sizes, and
- * fq_cuda_check_head_dims_128 for the backward, built without K = V = 256), so this
- * is only reached by a caller that skipped those checks. */
+ * entry points refuse other head dims first (fq_cuda_fwd_check_sizes), so
+ * this is only reached by a caller that skipped that check. */
 static inline fq_status fq_cuda_head_dims_unsupported(const fq_gdn_params *p)
 {
     return fq_fail(FQ_ERR_VALUE, "k, v: this CUDA kernel supports K, V in {64, 128}, got K=%lld V=%lld",
                    (long long)p->K, (long long)p->V);
 }
 
-/* Head dims the chunked forward and the recurrent step take: K, V in
- * {64, 128} (any pair), or K = V = 256 (issue 7 item 4; the chunked
- * forward runs its three-stage form there). The backward is built for K, V
- * in {64, 128} only: its entry point calls fq_cuda_check_head_dims_128
- * after fq_cuda_fwd_check_sizes, with `what` naming the operation for the
- * message. */
-static inline fq_status fq_cuda_check_head_dims_128(const fq_gdn_params *p, const char *what)
-{
-    if (p->K != 64 && p->K != 128)
-        return fq_fail(FQ_ERR_VALUE,
-                       "k: %s supports head dims K in {64, 128} (K = V = 256 runs the CUDA forward and "
-                       "recurrent step only), got K=%lld",
-                       what, (long long)p->K);
-    if (p->V != 64 && p->V != 128)
-        return fq_fail(FQ_ERR_VALUE,
-                       "v: %s supports head dims V in {64, 128} (K = V = 256 runs the CUDA forward and "
-                       "recurrent step only), got V=%lld",
-                       what, (long long)p->V);
-    return FQ_OK;
-}
-
 #define FQ_CHUNK 64 /* chunk size C */
 
 /* The H100 / H200 opt-in shared memory per block (227 KB): the budget the
- * three-stage forward's kernels at K = V = 256 are laid out for (stage B's
- * ring depth, stage C's 199 KB); gdn_cuda_fwd.cu refuses K = 256 on a GPU
- * that offers less. */
+ * chunk kernels at K = V = 256 are laid out for (the forward's stage B ring
+ * depth, stage C's 199 KB; the backward's 172-199 KB); fq_cuda_check_k256_smem
+ * refuses K = 256 on a GPU that offers less. */
 #define FQ_SMEM_OPTIN_H100 (227 * 1024)
 
 typedef __nv_bfloat16 fq_bf16;
@@ -462,10 +440,12 @@ fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaS
 /* The fused state pass and outputs: o and, if non-NULL, ht. */
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 
+/* FQ_OK unless K = 256 and the current device offers less than
+ * FQ_SMEM_OPTIN_H100 of shared memory per block (a ValueError naming k). */
+fq_status fq_cuda_check_k256_smem(const fq_gdn_params *p);
+
 /* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}, or K = V
- * = 256 (the forward and the recurrent step; the backward adds
- * fq_cuda_check_head_dims_128); dtype not F64). Returns FQ_OK or a failure
- * with the message set. */
+ * = 256; dtype not F64). Returns FQ_OK or a failure with the message set. */
 fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
 
 /* The stages; each launches on `stream` (device already set), checks its

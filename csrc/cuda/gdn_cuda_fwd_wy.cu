@@ -682,8 +682,11 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
     return ci;
 }
 
+/* 2 blocks per SM by shared memory (K = V = 128: 106 KB); 1 at K = V = 256
+ * (172 KB: four 33 KB tiles), up to 255 registers */
 template <int K, int V>
-__global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
+__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? 1 : 2)
+fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
 {
     typedef fq_wy_persistent_smem<K, V> SM;
     constexpr int LDF = FQ_WY_LDF;
@@ -841,6 +844,7 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
     if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64>(args, items, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128>(args, items, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64>(args, items, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256>(args, items, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }
 
