@@ -106,17 +106,21 @@ struct fq_wy_args {
 /* K, L, A tiles; V is loaded only once L is dead, into L's place (64 x LDV
  * bf16 <= 64 x FQ_WY_LDF fp32 for V <= 128), while W is computed: 54 KB at
  * K = V = 128, 4 blocks per SM (the first layout kept V beside L: 72 KB, 3
- * blocks; benchmarks/NOTES.md, "lean stage A"). */
+ * blocks; benchmarks/NOTES.md, "lean stage A"). At V = 256 the V tile
+ * (33 KB) is larger than L's place (18 KB): it gets its own region after
+ * the others, 105.5 KB at K = V = 256, 2 blocks per SM. */
 template <int K, int V> struct fq_wy_blocked_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
+    static constexpr int lbytes = 64 * FQ_WY_LDF * 4;          /* L, A: 64 x 72 fp32 */
+    static constexpr bool v_in_l = 64 * LDV * 2 <= lbytes;     /* V <= 136 */
     static constexpr int off_k = 0;
     static constexpr int off_l = off_k + 64 * LDK * 2;
-    static constexpr int off_v = off_l;
-    static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
-    static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
+    static constexpr int off_a = off_l + lbytes;
+    static constexpr int off_vec = off_a + lbytes;
     static constexpr int off_f = off_vec + 4 * 64 * 4; /* fl, fv (causality, the header) */
-    static constexpr int bytes = off_f + 16;
-    static_assert(64 * LDV * 2 <= 64 * FQ_WY_LDF * 4, "V tile must fit in L's place");
+    static constexpr int off_v = v_in_l ? off_l : off_f + 16;
+    static constexpr int bytes = v_in_l ? off_f + 16 : off_v + 64 * LDV * 2;
+    static_assert(off_v % 16 == 0, "cp.async destinations are 16-byte aligned");
 };
 
 /* acc[0..7] += (X Y)[r][cb..cb+7] for 16x16 fp32 blocks X, Y in shared memory
@@ -434,8 +438,10 @@ static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64
     }
 }
 
+/* 4 blocks per SM by shared memory, 2 at K = V = 256 (up to 255 registers:
+ * at 128 its K K^T and W products spilled) */
 template <int K, int V>
-__global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args args)
+__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? 2 : 4) fq_fwd_wy_blocked_kernel(fq_wy_args args)
 {
     typedef fq_wy_blocked_smem<K, V> SM;
     constexpr int LDF = FQ_WY_LDF;
@@ -522,8 +528,8 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args ar
     __syncthreads();
 
     /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4..
-     * (L is dead after the barrier above; V lands in its place while W is
-     * computed) */
+     * (L is dead after the barrier above; V lands in its place, at V = 256
+     * in a region of its own, while W is computed) */
     const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
     const int fl = sf[0];
     if (fl < 64) { /* causality, rare: K rows, fw from fl on */
@@ -590,6 +596,7 @@ extern "C" fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd
     if (p->K == 128 && p->V == 64) return fq_launch_wy_blocked<128, 64>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy_blocked<64, 128>(args, blocks, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy_blocked<64, 64>(args, blocks, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_blocked<256, 256>(args, blocks, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }
 
@@ -675,8 +682,11 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
     return ci;
 }
 
+/* 2 blocks per SM by shared memory (K = V = 128: 106 KB); 1 at K = V = 256
+ * (172 KB: four 33 KB tiles), up to 255 registers */
 template <int K, int V>
-__global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
+__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? 1 : 2)
+fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
 {
     typedef fq_wy_persistent_smem<K, V> SM;
     constexpr int LDF = FQ_WY_LDF;
@@ -834,6 +844,7 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
     if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64>(args, items, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128>(args, items, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64>(args, items, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256>(args, items, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }
 
