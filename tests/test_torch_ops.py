@@ -302,6 +302,46 @@ def test_recurrent_fast_path_scale_and_strided_inputs_equal_the_op(scale, stride
     assert_close("o", out[0][0], o_ref, tolerance(dtype, "o"))
 
 
+def _no_capsule(x):
+    raise AssertionError("the exchange API was expected, not a to_dlpack capsule")
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkeypatch, verify):
+    """The hot path hands the tensors themselves to the binding (taken there
+    through torch's DLPack C exchange API: no capsule made) where torch has
+    that API, capsules where it has not: the same bits either way, and the
+    op's."""
+    N, T, HV = 3, (4 if verify else 1), 4
+    t = cast_inputs_torch(make_inputs(N, T, 2, HV, 32, 32, seed=23, h0=False), "float32")
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    pool = torch.randn(5, HV, 32, 32)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    out = []
+    for mode in ("exchange", "capsules", "op"):
+        p = pool.clone()
+        i = torch.zeros((N, T, HV, 32, 32)) if verify else None
+        kw = dict(state_indices=idx, intermediate_states=i, update_state=not verify)
+        with monkeypatch.context() as m:
+            if mode == "op":
+                with _Recorder():
+                    o = flashqla.gdn_recurrent(*args, p, **kw)
+            else:
+                m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
+                if mode == "exchange":
+                    if not flashqla._torch._EXCHANGE:
+                        continue  # this torch has no exchange API: capsules only
+                    m.setattr(flashqla._torch, "_to_dlpack", _no_capsule)
+                else:
+                    m.setattr(flashqla._torch, "_EXCHANGE", False)
+                o = flashqla.gdn_recurrent(*args, p, **kw)
+        out.append((o, p, i))
+    assert flashqla._torch._EXCHANGE == flashqla._C.exchange_api(torch.Tensor)
+    for o, p, i in out[1:]:
+        assert torch.equal(out[0][0], o) and torch.equal(out[0][1], p)
+        assert i is None or torch.equal(out[0][2], i)
+
+
 def test_recurrent_fast_path_rejected_verify_leaves_the_buffers():
     """A verify call the binding rejects (intermediate_states of the wrong
     layout) raises ValueError naming it and writes nothing."""
