@@ -274,7 +274,21 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: T
     their defaults when it boxes a call for a Python kernel, and the
     ADInplaceOrView step of older PyTorch releases (the H200 image's) then
     indexes the mutated intermediate_states (argument 10) past the end
-    (IndexError under opcheck, torch.compile and CUDA graphs)."""
+    (IndexError under opcheck, torch.compile and CUDA graphs).
+
+    Without cu_seqlens (whose CUDA step needs a workspace) and where torch has
+    the DLPack C exchange API, the tensors go to the binding themselves, as on
+    the eager hot path: what recurrent_prepared does, without its capsules."""
+    if _EXCHANGE and cu_seqlens is None:
+        use_gate = bool(use_gate_in_kernel)
+        o = torch.empty_like(v, memory_format=torch.contiguous_format)  # [B, T, HV, V]
+        _C.recurrent(q, k, v, g, beta, state, o, scale=scale, state_indices=state_indices,
+                     use_qk_l2norm=bool(use_qk_l2norm), intermediate_states=intermediate_states,
+                     update_state=bool(update_state), state_layout=state_layout,
+                     use_gate_in_kernel=use_gate, A_log=A_log if use_gate else None,
+                     dt_bias=dt_bias if use_gate else None,
+                     use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), exchange_api=True)
+        return o
     gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     return recurrent_prepared(TORCH, q, k, v, g, beta, state, state_indices, cu_seqlens, scale,
                               use_qk_l2norm, gates, state_layout, intermediate_states,

@@ -308,22 +308,26 @@ def _no_capsule(x):
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkeypatch, verify):
-    """The hot path hands the tensors themselves to the binding (taken there
-    through torch's DLPack C exchange API: no capsule made) where torch has
-    that API, capsules where it has not: the same bits either way, and the
-    op's."""
+    """The hot path and the op's kernel hand the tensors themselves to the
+    binding (taken there through torch's DLPack C exchange API: no capsule
+    made) where torch has that API, capsules where it has not (the op:
+    recurrent_prepared): the same bits every way."""
     N, T, HV = 3, (4 if verify else 1), 4
     t = cast_inputs_torch(make_inputs(N, T, 2, HV, 32, 32, seed=23, h0=False), "float32")
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
     pool = torch.randn(5, HV, 32, 32)
     idx = torch.tensor([4, -1, 1], dtype=torch.int32)
     out = []
-    for mode in ("exchange", "capsules", "op"):
+    for mode in ("exchange", "capsules", "op", "op-prepared"):
         p = pool.clone()
         i = torch.zeros((N, T, HV, 32, 32)) if verify else None
         kw = dict(state_indices=idx, intermediate_states=i, update_state=not verify)
         with monkeypatch.context() as m:
-            if mode == "op":
+            if mode.startswith("op"):
+                if mode == "op-prepared":
+                    m.setattr(flashqla._torch, "_EXCHANGE", False)
+                elif flashqla._torch._EXCHANGE:
+                    m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
                 with _Recorder():
                     o = flashqla.gdn_recurrent(*args, p, **kw)
             else:
