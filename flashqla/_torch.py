@@ -503,9 +503,11 @@ def recurrent_checked(q, k, v, g, beta, state, state_indices, scale, cu_seqlens,
         # custom-op machinery: decoding calls this once per layer and token
         gates = (FusedGates(use_gate_in_kernel, A, dtb, use_beta_sigmoid_in_kernel)
                  if use_gate_in_kernel or use_beta_sigmoid_in_kernel else NO_GATES)
-        return recurrent_prepared(TORCH, q, k, v, g, beta, state, idx, cu, scale,
-                                  bool(use_qk_l2norm), gates, state_layout, inter,
-                                  bool(update_state))
+        o = recurrent_prepared(TORCH, q, k, v, g, beta, state, idx, cu, scale,
+                               bool(use_qk_l2norm), gates, state_layout, inter,
+                               bool(update_state))
+        _written(state, inter, update_state)
+        return o
     return torch.ops.flashqla.recurrent(q, k, v, g, beta, state, idx, cu, scale,
                                         bool(use_qk_l2norm), *serving)
 
@@ -524,6 +526,7 @@ def gdn_commit(state, intermediate_states, state_indices, num_accepted, *, state
     _check_ndim(acc, "num_accepted", 1, "[N]")
     if _plain_eager(state, intermediate_states, idx, acc):
         commit_prepared(TORCH, state, intermediate_states, idx, acc, state_layout)
+        _increment_version((state,))  # as the op's ADInplaceOrView kernel
     else:
         torch.ops.flashqla.commit(state, intermediate_states, idx, acc, state_layout)
 
@@ -600,13 +603,27 @@ def recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, inter=None
         # array, or a bad one): the checked path makes the inputs contiguous, or
         # raises its own error naming the argument
         return None
+    _written(state, inter, update_state)
     return o
+
+
+def _written(state, inter, update_state):
+    """Bumps the autograd version counters of what a recurrent step wrote in
+    place (as the op's ADInplaceOrView kernel does), so that autograd refuses
+    a backward through a saved copy of the pool instead of using the new
+    values silently."""
+    if inter is None:
+        if update_state:
+            _increment_version((state,))
+    else:
+        _increment_version((state, inter) if update_state else (inter,))
 
 
 # torch.Tensor carries the DLPack C exchange API (DLPack 1.3) that the binding
 # takes tensors through: no capsule per array, the CUDA stream read in C
 _EXCHANGE = bool(_C.exchange_api(Tensor))
 _F32 = torch.float32
+_increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
 
 
 def _plain_eager(*tensors):

@@ -346,6 +346,51 @@ def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkey
         assert i is None or torch.equal(out[0][2], i)
 
 
+@pytest.mark.parametrize("path", ["hot", "checked", "op"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
+    """Every path bumps the autograd version counter of the pool it updates
+    (the eager paths not with update_state=False) and of intermediate_states,
+    as the op's ADInplaceOrView kernel does, and so does gdn_commit: a backward through a
+    saved copy of them raises instead of using the new values silently."""
+    N, T, HV = 2, (3 if verify else 1), 2
+    t = cast_inputs_torch(make_inputs(N, T, 1, HV, 16, 16, seed=29, h0=False), "float32")
+    q = t["q"].clone().requires_grad_() if path == "checked" else t["q"]  # the hot path refuses it
+    args = (q, t["k"], t["v"], t["g"], t["beta"])
+    pool = torch.randn(N, HV, 16, 16)
+    inter = torch.zeros(N, T, HV, 16, 16) if verify else None
+    w = torch.randn(N, HV, 16, 16, requires_grad=True)
+    saved = [(pool * w).sum()] + ([(inter[:, 0] * w).sum()] if verify else [])
+    versions = pool._version, (inter._version if verify else None)
+    kw = dict(intermediate_states=inter, update_state=not verify)
+    if path == "op":
+        with _Recorder():
+            flashqla.gdn_recurrent(*args, pool, **kw)
+    else:
+        flashqla.gdn_recurrent(*args, pool, **kw)
+    # (the op's schema marks the pool mutable, so the op bumps it with update_state=False too)
+    assert (pool._version > versions[0]) is (not verify or path == "op")
+    if verify:
+        assert inter._version > versions[1]
+        if path != "op":
+            saved[0].backward()  # the pool was not written: its saved copy is still good
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved[1].backward()
+        y = (pool * w).sum()
+        before = pool._version
+        if path == "op":
+            with _Recorder():
+                flashqla.gdn_commit(pool, inter, None, torch.tensor([1, 2]))
+        else:
+            flashqla.gdn_commit(pool, inter, None, torch.tensor([1, 2]))
+        assert pool._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    else:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved[0].backward()
+
+
 def test_recurrent_fast_path_rejected_verify_leaves_the_buffers():
     """A verify call the binding rejects (intermediate_states of the wrong
     layout) raises ValueError naming it and writes nothing."""
