@@ -54,14 +54,15 @@ def _torch_front():
     """flashqla._torch (imported on the first PyTorch call: it registers the
     torch.ops.flashqla operators, and importing flashqla needs no torch); from
     then on gdn_recurrent tries its decode hot path first."""
-    global _torch_front, _recurrent_hot
+    global _torch_front, _recurrent_hot, _commit_hot
     from . import _torch
     _torch_front = lambda: _torch  # noqa: E731
-    _recurrent_hot = _torch.recurrent_hot
+    _recurrent_hot, _commit_hot = _torch.recurrent_hot, _torch.commit_hot
     return _torch
 
 
 _recurrent_hot = None  # flashqla._torch.recurrent_hot, once a PyTorch call brought it in
+_commit_hot = None     # flashqla._torch.commit_hot, likewise
 
 
 def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
@@ -306,6 +307,10 @@ def gdn_commit(state: Array, intermediate_states: Array, state_indices: Optional
     them without a synchronisation, such entries leave their slot as it was).
     No host synchronisation on CUDA: capturable in a CUDA graph together with
     the verify step."""
+    hot = _commit_hot  # the verify step's hot path: PyTorch tensors straight to the binding
+    if hot is not None and hot(state, intermediate_states, state_indices, num_accepted,
+                               state_layout):
+        return None
     check_layout(state_layout)
     state, intermediate_states, state_indices, num_accepted = public_arrays(
         [("state", state), ("intermediate_states", intermediate_states),

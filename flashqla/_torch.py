@@ -626,6 +626,33 @@ _F32 = torch.float32
 _increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
 
 
+def commit_hot(state, inter, idx, acc, state_layout):
+    """The hot path of gdn_commit (one call per verify step): plain tensors,
+    nothing tracing (_plain_eager), indices on the pool's device and a layout
+    the binding takes; the binding, handed the tensors themselves (exchange_api,
+    as recurrent_hot), checks everything else, and an argument it refuses
+    sends the call down the checked path (which converts lists, moves indices
+    and raises its own errors). True when the commit was made."""
+    T = Tensor
+    if not (_EXCHANGE and type(state) is T and type(inter) is T and type(acc) is T and
+            (idx is None or type(idx) is T)):
+        return False
+    if not _plain_eager():
+        return False
+    dev = state.get_device()
+    if acc.get_device() != dev or (idx is not None and idx.get_device() != dev):
+        return False
+    if state_layout != "kv" and state_layout != "vk":
+        return False
+    try:
+        _C.commit(state, inter, acc, state_indices=idx, state_layout=state_layout,
+                  exchange_api=True)
+    except (ValueError, TypeError):
+        return False  # nothing was written: the checked path raises its own error
+    _increment_version((state,))  # as the op's ADInplaceOrView kernel
+    return True
+
+
 def _plain_eager(*tensors):
     """True when calling an op's kernel directly is the same as calling the op:
     eager mode (no torch.compile tracing), no torch.func transform, no

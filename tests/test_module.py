@@ -968,6 +968,28 @@ def test_exchange_api_torch_bits_refcounts_and_failures():
     assert before == after
 
 
+@needs_torch
+def test_exchange_api_commit_equals_capsules():
+    """_C.commit(..., exchange_api=True) with torch tensors: the capsules' bits,
+    reference counts unchanged over calls and a failure."""
+    if not _C.exchange_api(torch.Tensor):
+        pytest.skip("this torch has no DLPack C exchange API")
+    pool, inter = torch.randn(4, HV, K, V), torch.randn(3, 2, HV, K, V)
+    idx, acc = torch.tensor([3, -1, 0], dtype=torch.int32), torch.tensor([1, 2, 2])
+    a, b = pool.clone(), pool.clone()
+    _C.commit(a, inter, acc, state_indices=idx, exchange_api=True)
+    c = torch.utils.dlpack.to_dlpack
+    _C.commit(c(b), c(inter), c(acc), state_indices=c(idx))
+    assert torch.equal(a, b) and not torch.equal(a, pool)
+    args = (a, inter, acc, idx)
+    before = [sys.getrefcount(x) for x in args]
+    for _ in range(3):
+        _C.commit(a, inter, acc, state_indices=idx, exchange_api=True)
+    with pytest.raises(ValueError, match=r"^num_accepted: expected shape"):
+        _C.commit(a, inter, acc[:2], state_indices=idx, exchange_api=True)
+    assert [sys.getrefcount(x) for x in args] == before
+
+
 def test_recurrent_argument_messages():
     """_C.recurrent parses its own arguments (METH_FASTCALL) with the
     messages of PyArg_ParseTupleAndKeywords, which _C.chunk_fwd still uses."""
@@ -989,6 +1011,12 @@ def test_recurrent_argument_messages():
     with pytest.raises(TypeError) as info:
         _C.chunk_fwd(*fwd_like.values(), x, scale=1.0, bogus=1)
     assert str(info.value) == "'bogus' is an invalid keyword argument for chunk_fwd()"
+    with pytest.raises(TypeError) as info:
+        _C.commit(x, x)
+    assert str(info.value) == "commit() missing required argument 'num_accepted' (pos 3)"
+    with pytest.raises(TypeError) as info:
+        _C.commit(x, x, x, scale=1.0)
+    assert str(info.value) == "'scale' is an invalid keyword argument for commit()"
     with pytest.raises(ValueError, match="truth value"):  # a bad "p" value: its own error
         _C.recurrent(*(x,) * 7, scale=1.0, update_state=np.zeros(2))
     # keywords made at run time (not interned) are matched by their text

@@ -391,6 +391,41 @@ def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
             saved[0].backward()
 
 
+def test_commit_fast_path_equals_the_op_and_falls_back():
+    """gdn_commit's hot path (plain tensors straight to the binding) gives the
+    op's bits; lists, a bad layout, num_accepted None and an out-of-range
+    count take the checked path and its errors, writing nothing."""
+    P, N, Ti, HV = 5, 3, 4, 2
+    pool = torch.randn(P, HV, 16, 8)
+    inter = torch.randn(N, Ti, HV, 16, 8)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    acc = torch.tensor([2, 3, 0], dtype=torch.int64)
+    fast, op = pool.clone(), pool.clone()
+    flashqla.gdn_commit(pool.clone(), inter, idx, acc)  # the first torch call brings the hot path in
+    with pytest.MonkeyPatch.context() as m:
+        if flashqla._torch._EXCHANGE:
+            m.setattr(flashqla._torch, "commit_prepared", _no_full_path)
+        flashqla.gdn_commit(fast, inter, idx, acc)
+    with _Recorder():
+        flashqla.gdn_commit(op, inter, idx, acc)
+    assert torch.equal(fast, op)
+    assert torch.equal(fast[4], inter[0, 1]) and torch.equal(fast[1], pool[1])
+    lists = pool.clone()
+    flashqla.gdn_commit(lists, inter, [4, -1, 1], [2, 3, 0])
+    assert torch.equal(lists, op)
+    vk = pool.transpose(-1, -2).contiguous()
+    flashqla.gdn_commit(vk, inter.transpose(-1, -2).contiguous(), idx, acc, state_layout="vk")
+    assert torch.equal(vk.transpose(-1, -2), op)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"^state_layout: expected"):
+        flashqla.gdn_commit(pool, inter, idx, acc, state_layout="kvx")
+    with pytest.raises(TypeError, match=r"^num_accepted: expected an array .*, got None"):
+        flashqla.gdn_commit(pool, inter, idx, None)
+    with pytest.raises(ValueError, match=r"num_accepted"):
+        flashqla.gdn_commit(pool, inter, idx, torch.tensor([2, 9, 0]))
+    assert torch.equal(pool, before)
+
+
 def test_recurrent_fast_path_rejected_verify_leaves_the_buffers():
     """A verify call the binding rejects (intermediate_states of the wrong
     layout) raises ValueError naming it and writes nothing."""

@@ -470,22 +470,28 @@ fail:
 
 PyDoc_STRVAR(fq_commit_doc,
 "commit(state, intermediate_states, num_accepted, *, state_indices=None,\n"
-"       state_layout=\"kv\", stream=None) -> None\n\n"
+"       state_layout=\"kv\", stream=None, exchange_api=False) -> None\n\n"
 "After a verify step: state[state_indices[n]] = intermediate_states[n,\n"
 "num_accepted[n] - 1] for every n with a slot >= 0 and num_accepted[n] > 0.\n"
 "state [P,HV,K,V]; intermediate_states [N,Ti,HV,K,V]; num_accepted,\n"
-"state_indices [N] int32/int64.");
+"state_indices [N] int32/int64. exchange_api as for recurrent (the stream\n"
+"then from state's producer).");
 
-static PyObject *fq_commit(PyObject *self, PyObject *args, PyObject *kwds)
+static const char *const fq_commit_names[] = {"state", "intermediate_states", "num_accepted", "state_indices",
+                                              "state_layout", "stream", "exchange_api", NULL};
+static fq_fastargs fq_commit_args = {"commit", fq_commit_names, 3, 7, NULL};
+
+static PyObject *fq_commit(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *kwlist[] = {"state", "intermediate_states", "num_accepted", "state_indices", "state_layout",
-                             "stream", NULL};
-    PyObject *state = NULL, *inter = NULL, *acc = NULL, *idx = NULL, *layout = NULL, *stream = NULL;
+    enum { A_STATE, A_INTER, A_ACC, A_IDX, A_LAYOUT, A_STREAM, A_EXCHANGE, A_N };
+    PyObject *a[A_N];
     PyObject *result = NULL;
+    int exchange = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOO:commit", kwlist, &state, &inter, &acc, &idx, &layout,
-                                     &stream))
-        return NULL;
+    if (fq_fastargs_parse(&fq_commit_args, args, nargsf, kwnames, a) < 0) return NULL;
+    if (fq_bool_arg(a[A_EXCHANGE], &exchange) < 0) return NULL;
+    PyObject *state = a[A_STATE], *inter = a[A_INTER], *acc = a[A_ACC], *idx = a[A_IDX];
+    PyObject *layout = a[A_LAYOUT], *stream = a[A_STREAM];
     /* the pool first (it gives the device, HV, K, V), then the buffer (N, Ti) */
     enum { STATE, INTER, IDX, ACC, NSLOT };
     fq_slot slots[NSLOT] = {
@@ -494,7 +500,7 @@ static PyObject *fq_commit(PyObject *self, PyObject *args, PyObject *kwds)
         {"state_indices", FQ_IDX, 0, 0, idx, {0}},
         {"num_accepted", FQ_ACC, 0, 1, acc, {0}},
     };
-    fq_call c = {.slots = slots, .n = NSLOT};
+    fq_call c = {.slots = slots, .n = NSLOT, .exchange = exchange};
     c.dtype = FQ_F64; /* no q: float64 states are allowed (the CPU backend) */
     fq_gdn_params p;
     if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
@@ -669,7 +675,7 @@ static PyMethodDef fq_methods[] = {
     {"chunk_fwd", (PyCFunction)(void (*)(void))fq_chunk_fwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_fwd_doc},
     {"chunk_bwd", (PyCFunction)(void (*)(void))fq_chunk_bwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_bwd_doc},
     {"recurrent", (PyCFunction)(void (*)(void))fq_recurrent, METH_FASTCALL | METH_KEYWORDS, fq_recurrent_doc},
-    {"commit", (PyCFunction)(void (*)(void))fq_commit, METH_VARARGS | METH_KEYWORDS, fq_commit_doc},
+    {"commit", (PyCFunction)(void (*)(void))fq_commit, METH_FASTCALL | METH_KEYWORDS, fq_commit_doc},
     {"workspace_bytes", (PyCFunction)(void (*)(void))fq_workspace_bytes, METH_VARARGS | METH_KEYWORDS,
      fq_workspace_bytes_doc},
     {"dlpack_info", fq_dlpack_info, METH_O,
@@ -701,7 +707,7 @@ static struct PyModuleDef fq_module = {
 PyMODINIT_FUNC PyInit__C(void)
 {
     PyObject *m = NULL;
-    if (fq_fastargs_init(&fq_recurrent_args) < 0) return NULL;
+    if (fq_fastargs_init(&fq_recurrent_args) < 0 || fq_fastargs_init(&fq_commit_args) < 0) return NULL;
     m = PyModule_Create(&fq_module);
     if (!m) return NULL;
     if (!fq_Error) {
