@@ -163,7 +163,9 @@ def pieces_of(x):
             ("scale_of(None, q)", lambda _: scale_of(None, q)),
             ("q.get_device() (the hot path's device check)", lambda _: q.get_device()),
             ("q.device != idx.device (before: the device check)", lambda _: q.device != idx.device),
-            ("scratch.zero_(): one PyTorch eager op, for scale", lambda _: scratch.zero_())]
+            ("scratch.zero_(): one PyTorch eager op, for scale", lambda _: scratch.zero_()),
+            ("torch._C._increment_version((pool,)): the written pool's version bump",
+             lambda _: torch._C._increment_version((x["pool"],)))]
     if q.is_cuda:
         dev, dt = q.get_device(), str(q.dtype).replace("torch.", "")
         N, T, H, K = q.shape
