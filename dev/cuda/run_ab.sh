@@ -5,7 +5,7 @@
 #
 #   here:    bash dev/cuda/run_ab.sh build /work/wt/<branch>
 #            -> .devbin/check_fwd_a, check_fwd_b (check_fwd.cu of each tree), and
-#               check_fwd_tl_a, check_fwd_tl_b (the same with -DFQ_FUSED_TIMELINE)
+#               check_fwd_tl_a, check_fwd_tl_b (the same with -DFQ_FUSED_TIMELINE), xz-compressed
 #   device:  bash dev/cuda/run_ab.sh run          (carry [".devbin"])
 #
 # run: `check_fwd time` of A, B, A, B (drift shows as A vs A), B's quick check against
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.." || exit 1
 BIN=$PWD/.devbin
 if [ "$MODE" = build ]; then
     OTHER=${2:?usage: run_ab.sh build OTHER_TREE}
-    rm -rf "$BIN"; mkdir -p "$BIN" # (the four binaries, ~60 MB, are what the 64 MiB carry holds)
+    rm -rf "$BIN"; mkdir -p "$BIN"
     for side in a b; do
         tree=$PWD; [ $side = b ] && tree=$OTHER
         for tl in "" _tl; do
@@ -31,9 +31,14 @@ if [ "$MODE" = build ]; then
             grep -E "inverse_kernelILi128|fused_kernelILi128" /tmp/ab_build_$side$tl.log | sed "s/^/  $side$tl: /"
         done
     done
+    xz -T2 -6 "$BIN"/check_fwd_* # (four binaries of 15-20 MB each: the 64 MiB carry holds them compressed)
     ls -la "$BIN"
     exit 0
 fi
+# unpacked outside the repository (so that .devbin keeps only the compressed copies)
+RUNBIN=/tmp/fq_ab_bin; mkdir -p $RUNBIN
+for f in "$BIN"/check_fwd_*.xz; do xz -dc "$f" > $RUNBIN/$(basename "$f" .xz) && chmod +x $RUNBIN/$(basename "$f" .xz); done
+BIN=$RUNBIN
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 for k in 1 2; do
     for side in a b; do
