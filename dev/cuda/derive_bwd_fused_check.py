@@ -1,0 +1,178 @@
+"""
+derive_bwd_fused_check.py -- float64 check of the backward in the form a fused
+backward kernel computes it (benchmarks/NOTES.md, "Issue 8: the shape of a fused
+backward"): per (sequence, value head) ONE reverse walk over the chunks, carrying
+dS, that forms every per-chunk gradient from the chunk's own inputs, its start
+state h (saved or recomputed by the forward chain) and dO -- in the fused
+forward's variables (gdn_cuda_fwd_fused.cu), with no W, U or stored Vn, dVn:
+
+    A'' = A diag(beta),  A = (I + L)^-1,  L = strict_lower(diag(beta) (K K^T . Gamma))
+    Y   = V - diag(e^gamma) K S,          Vn = A'' Y
+    P   = scale lower_incl(Q K^T . Gamma)
+    O   = scale diag(e^gamma) Q S + P Vn
+    S'  = e^{gamma_C} S + K^T diag(kd) Vn,  kd = e^{gamma_C - gamma}
+
+Checked against torch autograd through the token-by-token recurrence
+(derive_bwd_check.recurrence), the same cases as derive_bwd_check.py:
+
+    /tmp/venv/bin/python dev/cuda/derive_bwd_fused_check.py
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from derive_bwd_check import EPS, l2n, recurrence, rel  # noqa: E402
+
+torch.set_default_dtype(torch.float64)
+
+
+def fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    G = HV // H
+    rq, rk = q, k
+    if l2norm:
+        q, k = l2n(q), l2n(k)
+    NT = (T + C - 1) // C
+    chunks = [(c * C, min(T, c * C + C)) for c in range(NT)]
+    dq_part, dk_part = torch.zeros(T, HV, K), torch.zeros(T, HV, K)
+    dv, dbeta, dg = torch.zeros(T, HV, V), torch.zeros(T, HV), torch.zeros(T, HV)
+    dh0 = torch.zeros(HV, K, V)
+    for j in range(HV):
+        hh = j // G
+        # the forward chain: chunk-start states h (what the fused kernel's h mode stores)
+        S = h0[j].clone()
+        hs = []
+        for (t0, t1) in chunks:
+            hs.append(S.clone())
+            Kc, Vc, b = k[t0:t1, hh], v[t0:t1, j], beta[t0:t1, j]
+            gam = torch.cumsum(g[t0:t1, j], 0)
+            n = t1 - t0
+            Gam = torch.exp(gam[:, None] - gam[None, :]).tril()
+            A = torch.linalg.inv(torch.eye(n) + (b[:, None] * (Kc @ Kc.T) * Gam).tril(-1))
+            Vn = (A * b[None, :]) @ (Vc - torch.exp(gam)[:, None] * (Kc @ S))
+            S = torch.exp(gam[-1]) * S + Kc.T @ (torch.exp(gam[-1] - gam)[:, None] * Vn)
+        # the reverse walk: dS' (the gradient of the state after the chunk) carried
+        dSn = dht[j].clone()
+        for ci in reversed(range(NT)):
+            t0, t1 = chunks[ci]
+            Qc, Kc, Vc, dOc = q[t0:t1, hh], k[t0:t1, hh], v[t0:t1, j], do[t0:t1, j]
+            b, Sh = beta[t0:t1, j], hs[ci]
+            n = t1 - t0
+            # recomputed per chunk, as the kernel would: gamma, Gamma, L, A, A'', Y, Vn, P
+            gam = torch.cumsum(g[t0:t1, j], 0)
+            eg, gC = torch.exp(gam), gam[-1]
+            kd = torch.exp(gC - gam)
+            Gam = torch.exp(gam[:, None] - gam[None, :]).tril()
+            KKG = (Kc @ Kc.T) * Gam
+            L = (b[:, None] * KKG).tril(-1)
+            A = torch.linalg.inv(torch.eye(n) + L)
+            A2 = A * b[None, :]                            # A'' = A diag(beta)
+            X = Kc @ Sh                                    # X = K S
+            Y = Vc - eg[:, None] * X
+            Vn = A2 @ Y
+            QK = Qc @ Kc.T
+            P = scale * QK * Gam                           # lower incl. (Gam is)
+            # O = scale diag(e^g) Q S + P Vn
+            dVn = P.T @ dOc
+            dP = dOc @ Vn.T
+            QS = Qc @ Sh
+            dQ = scale * eg[:, None] * (dOc @ Sh.T)
+            dS = scale * (eg[:, None] * Qc).T @ dOc
+            dgam = scale * eg * (QS * dOc).sum(1)
+            # P = scale lower_incl(Q K^T . Gamma)
+            Z = dP * P                                     # d gamma through Gamma
+            dgam = dgam + Z.sum(1) - Z.sum(0)
+            dPG = scale * dP * Gam
+            dQ = dQ + dPG @ Kc
+            dK = dPG.T @ Qc
+            # S' = e^{gC} S + K^T diag(kd) Vn
+            dS = dS + torch.exp(gC) * dSn
+            KdS = Kc @ dSn                                 # n x V
+            dVn = dVn + kd[:, None] * KdS
+            dK = dK + kd[:, None] * (Vn @ dSn.T)
+            xs = kd * (KdS * Vn).sum(1)                    # d kd_r * kd_r
+            dgam = dgam - xs
+            dgam[-1] = dgam[-1] + xs.sum() + torch.exp(gC) * (Sh * dSn).sum()
+            # Vn = A'' Y
+            dA2 = dVn @ Y.T
+            dY = A2.T @ dVn
+            # Y = V - diag(e^g) K S
+            dVc = dY
+            edY = eg[:, None] * dY
+            dS = dS - Kc.T @ edY
+            dK = dK - edY @ Sh.T
+            dgam = dgam - eg * (X * dY).sum(1)
+            # A'' = A diag(beta)
+            db = (A * dA2).sum(0)
+            dA = dA2 * b[None, :]
+            # A = (I + L)^-1, L = strict_lower(diag(beta) (K K^T . Gamma))
+            dL = -(A.T @ dA @ A.T).tril(-1)
+            db = db + (dL * KKG).sum(1)
+            Hm = b[:, None] * dL * Gam
+            dK = dK + Hm @ Kc + Hm.T @ Kc
+            ZL = dL * L
+            dgam = dgam + ZL.sum(1) - ZL.sum(0)
+            # gamma = cumsum(g)
+            dg[t0:t1, j] = torch.flip(torch.cumsum(torch.flip(dgam, [0]), 0), [0])
+            dbeta[t0:t1, j] = db
+            dv[t0:t1, j] = dVc
+            dq_part[t0:t1, j] = dQ
+            dk_part[t0:t1, j] = dK
+            dSn = dS                                        # the previous chunk's dS'
+        dh0[j] = dSn
+    dq = dq_part.view(T, H, G, K).sum(2)
+    dk = dk_part.view(T, H, G, K).sum(2)
+    if l2norm:
+        for (x, dx) in ((rq, dq), (rk, dk)):
+            r = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) + EPS)
+            xh = x * r
+            dx.copy_(r * (dx - xh * (xh * dx).sum(-1, keepdim=True)))
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def one_case(T, H, HV, K, V, C, l2norm, use_h0, use_dht, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = rn(T, H, K), rn(T, H, K), rn(T, HV, V)
+    if not l2norm:
+        q, k = l2n(q), l2n(k)
+    Ah = torch.linspace(0, 4, HV)
+    g = -Ah[None, :] * torch.nn.functional.softplus(0.5 * rn(T, HV) + 1)
+    beta = torch.sigmoid(rn(T, HV))
+    h0 = rn(HV, K, V) * 0.5 if use_h0 else torch.zeros(HV, K, V)
+    do, dht = rn(T, HV, V), (rn(HV, K, V) if use_dht else torch.zeros(HV, K, V))
+    scale = K ** -0.5
+    ins = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, ht = recurrence(*ins[:5], scale, ins[5], l2norm)
+    loss = (o * do).sum() + (ht * dht).sum()
+    ref = torch.autograd.grad(loss, ins)
+    got = fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C)
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    return {names[i]: rel(got[i], ref[i]) for i in range(6)}
+
+
+def main():
+    worst = 0.0
+    cases = [
+        dict(T=37, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
+        dict(T=50, H=2, HV=4, K=8, V=12, C=16, l2norm=True, use_h0=False, use_dht=False),
+        dict(T=16, H=1, HV=1, K=8, V=8, C=16, l2norm=True, use_h0=True, use_dht=False),
+        dict(T=1, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
+        dict(T=70, H=1, HV=2, K=16, V=16, C=64, l2norm=True, use_h0=True, use_dht=True),
+    ]
+    for i, c in enumerate(cases):
+        errs = one_case(seed=i, **c)
+        worst = max(worst, max(errs.values()))
+        print(c, " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(f"worst rel err {worst:.3e}")
+    if not worst < 1e-10:
+        print("FAIL")
+        sys.exit(1)
+    print("OK: the fused-form backward (one reverse walk, gradients from h, dO and the chunk) matches autograd")
+
+
+if __name__ == "__main__":
+    main()
