@@ -428,7 +428,9 @@ size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws
  * of equal chunk counts (the last may be shorter); nseg_max depends on the
  * head shape (HV, K, V) only, so a sequence's split never depends on the
  * other sequences of the batch or on data. */
+#ifndef FQ_CP_MIN_CHUNKS /* (a -D of a dev build may try another: dev/cuda/run_ab.sh) */
 #define FQ_CP_MIN_CHUNKS 8
+#endif
 int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* 1 when the fused forward runs for p on the current device: an sm_90 GPU
  * running this module's sm_90a code, K and V in {64, 128} (never K = 256:

@@ -3,7 +3,7 @@
 # A is this tree, B another worktree (a branch with a kernel change); both binaries
 # are built here, on the development machine, and carried:
 #
-#   here:    bash dev/cuda/run_ab.sh build /work/wt/<branch>
+#   here:    bash dev/cuda/run_ab.sh build /work/wt/<branch> [B_NVFLAGS]   (B may be this tree too)
 #            -> .devbin/check_fwd_a, check_fwd_b (check_fwd.cu of each tree), and
 #               check_fwd_tl_a, check_fwd_tl_b (the same with -DFQ_FUSED_TIMELINE), xz-compressed
 #   device:  bash dev/cuda/run_ab.sh run          (carry [".devbin"])
@@ -18,12 +18,14 @@ OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/../.." || exit 1
 BIN=$PWD/.devbin
 if [ "$MODE" = build ]; then
-    OTHER=${2:?usage: run_ab.sh build OTHER_TREE}
+    OTHER=${2:?usage: run_ab.sh build OTHER_TREE [B_NVFLAGS]}
+    BFLAGS=${3:-} # extra nvcc flags for B only (e.g. -DFQ_CP_MIN_CHUNKS=65: a variant of a constant)
     rm -rf "$BIN"; mkdir -p "$BIN"
     for side in a b; do
         tree=$PWD; [ $side = b ] && tree=$OTHER
         for tl in "" _tl; do
             flags=""; [ -n "$tl" ] && flags="-DFQ_FUSED_TIMELINE"
+            [ $side = b ] && flags="$flags $BFLAGS"
             rm -f /tmp/fqbuild/*.o /tmp/fqbuild/check_fwd
             (cd "$tree" && FQ_NVFLAGS="$flags" bash dev/cuda/run_check_fwd.sh build > /tmp/ab_build_$side$tl.log 2>&1) ||
                 { tail -30 /tmp/ab_build_$side$tl.log; exit 1; }
