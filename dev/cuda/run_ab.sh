@@ -62,7 +62,7 @@ echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' "$OUTDIR/memcheck_b.log" 
 echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' "$OUTDIR/racecheck_b.log" | tail -3 | tr '\n' ' ')"
 for side in a b; do
     echo "=== timeline $side"
-    timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
+    timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|seg|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
     cat "$OUTDIR/timeline_$side.log"
 done
 echo "=== per row (ms): total / stage A (inverse) / main kernel, runs A1 B1 A2 B2"
