@@ -944,6 +944,23 @@ static void run_timings(int short_only)
         if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T);
 }
 
+/* One bf16 problem of B sequences of T tokens (fast inputs, h0 and ht), uploaded
+ * into *p, and three library forwards of it: `prof` and `timeline`. 0 on failure
+ * (the message printed). */
+static int run_three_forwards(int H, int HV, int B, int T, fq_gdn_params *p, Dev *d, const char *what)
+{
+    Problem pb = {};
+    pb.B = B; pb.T = T; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
+    pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
+    g_fast_rand = 1;
+    make_inputs(pb, 4.0);
+    *d = upload_chunk(pb, 0, p);
+    for (int i = 0; i < 3; i++)
+        if (fq_cuda_chunk_fwd(p) != FQ_OK) { printf("%s: %s\n", what, fq_last_error()); return 0; }
+    CK(cudaDeviceSynchronize());
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -961,16 +978,9 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "timeline") == 0) {
         const int shapes[][4] = {{16, 32, 8, 1024}, {16, 32, 8, 4096}, {16, 32, 1, 2048}, {16, 32, 1, 8192}, {16, 64, 2, 16384}};
         for (auto &sh : shapes) {
-            Problem pb = {};
-            pb.B = sh[2]; pb.T = sh[3]; pb.H = sh[0]; pb.HV = sh[1]; pb.K = 128; pb.V = 128;
-            pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
-            g_fast_rand = 1;
-            make_inputs(pb, 4.0);
             fq_gdn_params p;
-            Dev d = upload_chunk(pb, 0, &p);
-            for (int i = 0; i < 3; i++)
-                if (fq_cuda_chunk_fwd(&p) != FQ_OK) { printf("timeline: %s\n", fq_last_error()); return 1; }
-            CK(cudaDeviceSynchronize());
+            Dev d;
+            if (!run_three_forwards(sh[0], sh[1], sh[2], sh[3], &p, &d, "timeline")) return 1;
             std::vector<unsigned long long> tl(8192 * 10);
             int n = fq_cuda_fused_timeline(tl.data(), 8192);
             std::vector<int> live;
@@ -1009,17 +1019,11 @@ int main(int argc, char **argv)
 #endif
     /* `prof H HV T`: three forwards of one sequence, nothing else (for ncu) */
     if (argc > 1 && strcmp(argv[1], "prof") == 0) {
-        Problem pb = {};
-        pb.B = 1; pb.T = argc > 4 ? atoi(argv[4]) : 8192; pb.H = argc > 2 ? atoi(argv[2]) : 16;
-        pb.HV = argc > 3 ? atoi(argv[3]) : 32; pb.K = 128; pb.V = 128;
-        pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
-        g_fast_rand = 1;
-        make_inputs(pb, 4.0);
         fq_gdn_params p;
-        Dev d = upload_chunk(pb, 0, &p);
-        for (int i = 0; i < 3; i++)
-            if (fq_cuda_chunk_fwd(&p) != FQ_OK) { printf("prof: %s\n", fq_last_error()); return 1; }
-        CK(cudaDeviceSynchronize());
+        Dev d;
+        if (!run_three_forwards(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? atoi(argv[3]) : 32, 1,
+                                argc > 4 ? atoi(argv[4]) : 8192, &p, &d, "prof"))
+            return 1;
         printf("prof: done\n");
         free_dev(d);
         return 0;

@@ -171,7 +171,8 @@ def rel(a, b):
     return (torch.linalg.norm((a - b).flatten()) / max(torch.linalg.norm(b.flatten()), 1e-300)).item()
 
 
-def one_case(T, H, HV, K, V, C, l2norm, use_h0, use_dht, seed):
+def one_case(T, H, HV, K, V, C, l2norm, use_h0, use_dht, seed, bwd=None):
+    """Relative errors of bwd (default chunk_bwd; same signature) against autograd."""
     gen = torch.Generator().manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=gen)
     q, k, v = rn(T, H, K), rn(T, H, K), rn(T, HV, V)
@@ -187,31 +188,34 @@ def one_case(T, H, HV, K, V, C, l2norm, use_h0, use_dht, seed):
     o, ht = recurrence(*ins[:5], scale, ins[5], l2norm)
     loss = (o * do).sum() + (ht * dht).sum()
     ref = torch.autograd.grad(loss, ins)
-    got = chunk_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C)
+    got = (bwd or chunk_bwd)(q, k, v, g, beta, scale, h0, l2norm, do, dht, C)
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
     order = [0, 1, 2, 3, 4, 5]
     errs = {names[i]: rel(got[i], ref[order[i]]) for i in range(6)}
     return errs
 
 
-def main():
+CASES = [
+    dict(T=37, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
+    dict(T=50, H=2, HV=4, K=8, V=12, C=16, l2norm=True, use_h0=False, use_dht=False),
+    dict(T=16, H=1, HV=1, K=8, V=8, C=16, l2norm=True, use_h0=True, use_dht=False),
+    dict(T=1, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
+    dict(T=70, H=1, HV=2, K=16, V=16, C=64, l2norm=True, use_h0=True, use_dht=True),
+]
+
+
+def main(bwd=None, what="the chunked backward equations match autograd through the recurrence"):
+    """Every case of CASES through bwd (default chunk_bwd); exits 1 past 1e-10."""
     worst = 0.0
-    cases = [
-        dict(T=37, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
-        dict(T=50, H=2, HV=4, K=8, V=12, C=16, l2norm=True, use_h0=False, use_dht=False),
-        dict(T=16, H=1, HV=1, K=8, V=8, C=16, l2norm=True, use_h0=True, use_dht=False),
-        dict(T=1, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
-        dict(T=70, H=1, HV=2, K=16, V=16, C=64, l2norm=True, use_h0=True, use_dht=True),
-    ]
-    for i, c in enumerate(cases):
-        errs = one_case(seed=i, **c)
+    for i, c in enumerate(CASES):
+        errs = one_case(seed=i, bwd=bwd, **c)
         worst = max(worst, max(errs.values()))
         print(c, " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     print(f"worst rel err {worst:.3e}")
     if not worst < 1e-10:
         print("FAIL")
         sys.exit(1)
-    print("OK: the chunked backward equations match autograd through the recurrence")
+    print("OK: " + what)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ forward's variables (gdn_cuda_fwd_fused.cu), with no W, U or stored Vn, dVn:
     O   = scale diag(e^gamma) Q S + P Vn
     S'  = e^{gamma_C} S + K^T diag(kd) Vn,  kd = e^{gamma_C - gamma}
 
-Checked against torch autograd through the token-by-token recurrence
-(derive_bwd_check.recurrence), the same cases as derive_bwd_check.py:
+Checked against torch autograd through the token-by-token recurrence by
+derive_bwd_check.py's cases and driver:
 
     /tmp/venv/bin/python dev/cuda/derive_bwd_fused_check.py
 """
@@ -23,7 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from derive_bwd_check import EPS, l2n, recurrence, rel  # noqa: E402
+import derive_bwd_check  # noqa: E402
+from derive_bwd_check import EPS, l2n  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 
@@ -133,46 +134,6 @@ def fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def one_case(T, H, HV, K, V, C, l2norm, use_h0, use_dht, seed):
-    gen = torch.Generator().manual_seed(seed)
-    rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k, v = rn(T, H, K), rn(T, H, K), rn(T, HV, V)
-    if not l2norm:
-        q, k = l2n(q), l2n(k)
-    Ah = torch.linspace(0, 4, HV)
-    g = -Ah[None, :] * torch.nn.functional.softplus(0.5 * rn(T, HV) + 1)
-    beta = torch.sigmoid(rn(T, HV))
-    h0 = rn(HV, K, V) * 0.5 if use_h0 else torch.zeros(HV, K, V)
-    do, dht = rn(T, HV, V), (rn(HV, K, V) if use_dht else torch.zeros(HV, K, V))
-    scale = K ** -0.5
-    ins = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-    o, ht = recurrence(*ins[:5], scale, ins[5], l2norm)
-    loss = (o * do).sum() + (ht * dht).sum()
-    ref = torch.autograd.grad(loss, ins)
-    got = fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C)
-    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    return {names[i]: rel(got[i], ref[i]) for i in range(6)}
-
-
-def main():
-    worst = 0.0
-    cases = [
-        dict(T=37, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
-        dict(T=50, H=2, HV=4, K=8, V=12, C=16, l2norm=True, use_h0=False, use_dht=False),
-        dict(T=16, H=1, HV=1, K=8, V=8, C=16, l2norm=True, use_h0=True, use_dht=False),
-        dict(T=1, H=1, HV=2, K=8, V=8, C=16, l2norm=False, use_h0=True, use_dht=True),
-        dict(T=70, H=1, HV=2, K=16, V=16, C=64, l2norm=True, use_h0=True, use_dht=True),
-    ]
-    for i, c in enumerate(cases):
-        errs = one_case(seed=i, **c)
-        worst = max(worst, max(errs.values()))
-        print(c, " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
-    print(f"worst rel err {worst:.3e}")
-    if not worst < 1e-10:
-        print("FAIL")
-        sys.exit(1)
-    print("OK: the fused-form backward (one reverse walk, gradients from h, dO and the chunk) matches autograd")
-
-
 if __name__ == "__main__":
-    main()
+    derive_bwd_check.main(fused_bwd, "the fused-form backward (one reverse walk, gradients from h, dO and the "
+                          "chunk) matches autograd")
