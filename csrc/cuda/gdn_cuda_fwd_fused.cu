@@ -18,9 +18,7 @@
  *
  * Three warpgroups (384 threads), one CTA per SM (~215 KB of shared memory at
  * K = 128: three stages of 48 KB plus the exchange buffers):
- *   WG0, producer: warp 0 first copies the start state (h0, a pool slot or a
- *        segment's start state; fp32) into the exchange buffers (bulk copies,
- *        `s0_full`), where the chain reads it; then one thread issues the TMA loads of a chunk's Q, K, V
+ *   WG0, producer: one thread issues the TMA loads of a chunk's Q, K, V
  *        (this CTA's 64 columns) tiles, A'' (packed, bulk copy) and its gate record into the
  *        stage (mbarrier `full`), three chunks deep; warps 1..3 check V for
  *        non-finite rows and zero the rows that enter nothing (`checked`);
@@ -80,21 +78,14 @@ template <int K> struct fq_fused_smem {
     static constexpr int off_vn = off_sb + 2 * KT * FQ_TILE; /* 2 x Vn^T */
     static constexpr int off_o = off_vn + 2 * FQ_TILE;       /* the O staging */
     static constexpr int off_bar = off_o + 64 * 68 * 4;
-    /* per stage: full, empty, checked; per buffer: sb_full, sb_empty, vn_full, vn_empty; s0_full */
-    static constexpr int nbar = 3 * FQ_FUSED_STAGES + 9;
+    /* per stage: full, empty, checked; per buffer: sb_full, sb_empty, vn_full, vn_empty */
+    static constexpr int nbar = 3 * FQ_FUSED_STAGES + 8;
     static constexpr int off_chk = off_bar + (nbar * 8 + 15) / 16 * 16;            /* per stage: an int */
     static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16; /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
     static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
     static constexpr uint32_t load_bytes = (2 * KT + 1) * FQ_TILE + FQ_APACK_BYTES + rec_bytes;
     static_assert(stage % 1024 == 0 && off_o % 1024 == 0, "tiles keep their 1024-byte alignment");
-    /* The start state (FULL, fp32, this CTA's 64 columns) lands by bulk copies
-     * in the S^T and Vn^T exchange buffers, free until the chain's first
-     * hand-over: rows kd of 64 floats padded to s0_kv ([K, V] layout) or rows v
-     * of K floats padded to s0_vk ([V, K]), so that the chain's reads of its
-     * accumulator layout are free of bank conflicts. */
-    static constexpr int s0_kv = 68, s0_vk = K + 4;
-    static_assert(K * s0_kv * 4 <= off_o - off_sb && 64 * s0_vk * 4 <= off_o - off_sb, "the start state fits");
 };
 
 /* MODE: what a CTA computes over its segment of chunks */
@@ -117,7 +108,6 @@ struct fq_fused_args {
     void *o;             /* [B*T, HV, V], dtype odt */
     fq_dtype odt;
     int o_tma;           /* 1: full chunks of o leave by TMA store (tm_o; 16-bit o, 16-byte aligned) */
-    int h0_bulk;         /* 1: h0 is 16-byte aligned: the start state comes by bulk copy (else per thread) */
     int H, HV, V, ncb;   /* ncb: column blocks of 64 per (segment, head): V/64 (FULL), (K+V)/64 (MAP) */
     float scale;
 };
@@ -217,8 +207,6 @@ __global__ void __launch_bounds__(384, 1)
      * (chain), read (output warpgroup) */
     uint64_t *sb_full = checked + FQ_FUSED_STAGES, *sb_empty = sb_full + 2;
     uint64_t *vn_full = sb_empty + 2, *vn_empty = vn_full + 2;
-    /* s0_full: the start state's bulk copies landed */
-    uint64_t *s0_full = vn_empty + 2;
     int *chk = (int *)(smem + SM::off_chk);
 
     constexpr int MAP = MODE == FQ_FUSED_MAP;
@@ -253,7 +241,6 @@ __global__ void __launch_bounds__(384, 1)
             fq_mbar_init(&vn_full[b], 128);
             fq_mbar_init(&vn_empty[b], 128);
         }
-        fq_mbar_init(s0_full, 1);
         fq_mbar_init_fence();
         fq_tma_prefetch_desc(&tm_q);
         fq_tma_prefetch_desc(&tm_k);
@@ -276,47 +263,10 @@ __global__ void __launch_bounds__(384, 1)
     /* (block-uniform exits, before any role split) */
     if (si.seq < 0 || (MAP && si.index == si.count - 1)) return;
     const int nch = si.nchunks;
-    /* the start state: FULL: a split sequence's segments start from what
-     * the combine step chained into ss (segment 0 too: its h0 copied
-     * there, so that with a pool (h0 == ht) no segment reads a slot the
-     * last one may already have written); a whole sequence from h0 at
-     * its slot (zeros without one, NaN for a duplicate slot, gdn.h);
-     * MAP: the identity's columns 64 cb + v (an M block) or zeros (a D
-     * block). s0bulk: it comes by bulk copy (s0_full) */
-    const float *s0 = NULL;
-    int64_t s0base = 0;
-    int s0vk = 0;
-    float s0fill = 0.f;
-    if (!MAP) {
-        if (si.count > 1) {
-            s0 = args.ss;
-            s0base = ((int64_t)gs * HV + j) * K * args.V;
-        } else if (si.slot >= 0 && args.h0) {
-            s0 = args.h0;
-            s0base = ((int64_t)si.slot * HV + j) * K * args.V;
-            s0vk = args.vk;
-        } else if (si.slot == FQ_SLOT_DUP) {
-            s0fill = __int_as_float(0x7fc00000);
-        }
-    }
-    const int s0bulk = s0 && (s0 == args.ss || args.h0_bulk);
 
     if (wg == 0) {
         /* ---------------------------------------------------- producer ---- */
         fq_setmaxnreg_dec40();
-        if (tid < 32 && s0bulk) {
-            /* the start state's rows, 16-byte aligned and a multiple of 16
-             * bytes each: [K, V]: K rows of 64 floats (columns 64 vb..);
-             * [V, K]: 64 rows v of K floats */
-            const int rows = s0vk ? 64 : K;
-            const uint32_t rb = s0vk ? K * 4 : 256, ld = s0vk ? SM::s0_vk * 4 : SM::s0_kv * 4;
-            if (tid == 0) fq_mbar_arrive_tx(s0_full, (uint32_t)rows * rb);
-            __syncwarp();
-            for (int r = tid; r < rows; r += 32)
-                fq_bulk_load(smem + SM::off_sb + r * ld,
-                             s0 + s0base + (s0vk ? (int64_t)(64 * vb + r) * K : (int64_t)r * args.V + 64 * vb), rb,
-                             s0_full);
-        }
         if (tid == 0) {
             for (int i = 0; i < nch; i++) {
                 const int s = i % FQ_FUSED_STAGES;
@@ -553,29 +503,37 @@ __global__ void __launch_bounds__(384, 1)
         /* S^T: row v = 16 w + g + 8 h (this CTA's column 64 vb + v), column kd = 8 nb + 2 t + e:
          * S[4 nb + 2 h + e] */
         float S[K / 2];
-        /* the start state (s0 above) */
-        if (s0bulk) {
-            fq_mbar_wait(s0_full, 0);
-            const float *sx = (const float *)(smem + SM::off_sb);
-#pragma unroll
-            for (int nb = 0; nb < K / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                    S[4 * nb + e] = s0vk ? sx[v * SM::s0_vk + kd] : sx[kd * SM::s0_kv + v];
-                }
-            /* every chain thread has its part before hand_state(0) overwrites the buffers */
-            fq_named_bar(5, 128);
-        } else {
-#pragma unroll
-            for (int nb = 0; nb < K / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                    if (MAP) S[4 * nb + e] = (mblk && kd == 64 * cb + v) ? 1.f : 0.f;
-                    else S[4 * nb + e] = s0 ? s0[s0base + fq_state_at(kd, 64 * vb + v, K, V, s0vk)] : s0fill;
-                }
+        /* the start state: FULL: a split sequence's segments start from what
+         * the combine step chained into ss (segment 0 too: its h0 copied
+         * there, so that with a pool (h0 == ht) no segment reads a slot the
+         * last one may already have written); a whole sequence from h0 at
+         * its slot (zeros without one, NaN for a duplicate slot, gdn.h);
+         * MAP: the identity's columns 64 cb + v (an M block) or zeros (a D
+         * block) */
+        const float *s0 = NULL;
+        int64_t s0base = 0;
+        int s0vk = 0;
+        float s0fill = 0.f;
+        if (!MAP) {
+            if (si.count > 1) {
+                s0 = args.ss;
+                s0base = ((int64_t)gs * HV + j) * K * V;
+            } else if (si.slot >= 0 && args.h0) {
+                s0 = args.h0;
+                s0base = ((int64_t)si.slot * HV + j) * K * V;
+                s0vk = args.vk;
+            } else if (si.slot == FQ_SLOT_DUP) {
+                s0fill = __int_as_float(0x7fc00000);
+            }
         }
+#pragma unroll
+        for (int nb = 0; nb < K / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
+                if (MAP) S[4 * nb + e] = (mblk && kd == 64 * cb + v) ? 1.f : 0.f;
+                else S[4 * nb + e] = s0 ? s0[s0base + fq_state_at(kd, 64 * vb + v, K, V, s0vk)] : s0fill;
+            }
         uint32_t sb[K / 16][4];
 #pragma unroll
         for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
@@ -1042,7 +1000,6 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     args.o = p->o;
     args.odt = p->dtype;
     args.o_tma = m.o_tma;
-    args.h0_bulk = ((uintptr_t)args.h0 & 15) == 0;
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.V = (int)p->V;
