@@ -16,8 +16,10 @@ same loop) is printed next to it.
           with int32 state_indices) and the speculative verify (T = 4,
           intermediate_states, update_state=False), torch.ops.flashqla.recurrent
           (the custom op through the dispatcher), and flashqla._C.recurrent with
-          its DLPack capsules made in the loop and made beforehand (the binding,
-          the core and the launch alone).
+          its DLPack capsules made in the loop and made beforehand, and with the
+          tensors themselves taken through torch's DLPack C exchange API
+          (exchange_api=True, what the hot path does where torch has that API;
+          the stream then read in C): the binding, the core and the launch alone.
   pieces: what such a call does besides the kernel, each timed alone (stream
           look-ups, allocations, one capsule, the trace check, a plain PyTorch
           op for scale).
@@ -122,6 +124,9 @@ def calls_of(x, threads, verify):
                                      state_indices=c(idx), intermediate_states=c(inter), **kw)
         pre = lambda a: _C.recurrent(*a[:7], scale=scale, state_indices=a[7],  # noqa: E731
                                      intermediate_states=a[8], **kw)
+        xkw = {n: x for n, x in kw.items() if n != "stream"}
+        xch = lambda _: _C.recurrent(q, k, v, g, b, pool, o, scale=scale, state_indices=idx,  # noqa: E731
+                                     intermediate_states=inter, exchange_api=True, **xkw)
         made = (q, k, v, g, b, pool, o, idx, inter)
         name = f"verify T={q.shape[1]}"
     else:
@@ -131,13 +136,19 @@ def calls_of(x, threads, verify):
         raw = lambda _: _C.recurrent(c(q), c(k), c(v), c(g), c(b), c(pool), c(o), scale=scale,  # noqa: E731
                                      state_indices=c(idx), **kw)
         pre = lambda a: _C.recurrent(*a[:7], scale=scale, state_indices=a[7], **kw)  # noqa: E731
+        xkw = {n: x for n, x in kw.items() if n != "stream"}
+        xch = lambda _: _C.recurrent(q, k, v, g, b, pool, o, scale=scale, state_indices=idx,  # noqa: E731
+                                     exchange_api=True, **xkw)
         made = (q, k, v, g, b, pool, o, idx)
         name = "decode T=1"
     premade = lambda n: [[c(t) for t in made] for _ in range(n)]  # noqa: E731
-    return [(f"flashqla.gdn_recurrent {name}", public, None),
+    rows = [(f"flashqla.gdn_recurrent {name}", public, None),
             (f"torch.ops.flashqla.recurrent {name}", op, None),
             (f"_C.recurrent {name}, capsules made in the loop", raw, None),
             (f"_C.recurrent {name}, capsules made before", pre, premade)]
+    if _C.exchange_api(torch.Tensor):
+        rows.append((f"_C.recurrent {name}, tensors (exchange_api=True)", xch, None))
+    return rows
 
 
 def pieces_of(x):
@@ -152,7 +163,9 @@ def pieces_of(x):
             ("scale_of(None, q)", lambda _: scale_of(None, q)),
             ("q.get_device() (the hot path's device check)", lambda _: q.get_device()),
             ("q.device != idx.device (before: the device check)", lambda _: q.device != idx.device),
-            ("scratch.zero_(): one PyTorch eager op, for scale", lambda _: scratch.zero_())]
+            ("scratch.zero_(): one PyTorch eager op, for scale", lambda _: scratch.zero_()),
+            ("torch._C._increment_version((pool,)): the written pool's version bump",
+             lambda _: torch._C._increment_version((x["pool"],)))]
     if q.is_cuda:
         dev, dt = q.get_device(), str(q.dtype).replace("torch.", "")
         N, T, H, K = q.shape
@@ -236,7 +249,8 @@ def main(argv=None):
         # time per call is the host overhead. (Subtracting the C core's time at
         # decode size is not done: on a shared machine its noise is larger than
         # the overhead.)
-        raw = rows["tiny _C.recurrent decode T=1, capsules made in the loop"]["median_us"]
+        raw = rows.get("tiny _C.recurrent decode T=1, tensors (exchange_api=True)",
+                       rows["tiny _C.recurrent decode T=1, capsules made in the loop"])["median_us"]
         for name in ("flashqla.gdn_recurrent", "torch.ops.flashqla.recurrent"):
             tiny = rows[f"tiny {name} decode T=1"]["median_us"]
             print(f"  host overhead of {name:<30} {tiny:8.2f} us per call, of which "

@@ -52,11 +52,17 @@ def _jax_front():
 
 def _torch_front():
     """flashqla._torch (imported on the first PyTorch call: it registers the
-    torch.ops.flashqla operators, and importing flashqla needs no torch)."""
-    global _torch_front
+    torch.ops.flashqla operators, and importing flashqla needs no torch); from
+    then on gdn_recurrent tries its decode hot path first."""
+    global _torch_front, _recurrent_hot, _commit_hot
     from . import _torch
     _torch_front = lambda: _torch  # noqa: E731
+    _recurrent_hot, _commit_hot = _torch.recurrent_hot, _torch.commit_hot
     return _torch
+
+
+_recurrent_hot = None  # flashqla._torch.recurrent_hot, once a PyTorch call brought it in
+_commit_hot = None     # flashqla._torch.commit_hot, likewise
 
 
 def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
@@ -237,8 +243,17 @@ def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Ar
     the pool untouched; then flashqla.gdn_commit keeps the accepted prefix.
     state_layout="vk": the pool and intermediate_states are [.., V, K].
     Fused gates as in gdn_chunk."""
-    if _all_torch_tensors(q, k, v, g, beta, state):  # the decode hot path: straight to torch
-        return _torch_front().recurrent_call(
+    hot = _recurrent_hot  # the decode hot path: PyTorch tensors straight to the binding
+    tried = hot is not None and cu_seqlens is None and not use_gate_in_kernel and \
+        not use_beta_sigmoid_in_kernel
+    if tried:
+        o = hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
+                intermediate_states, update_state, state_layout)
+        if o is not None:
+            return o
+    if _all_torch_tensors(q, k, v, g, beta, state):  # torch: no need to try the hot path twice
+        front = _torch_front()
+        return (front.recurrent_checked if tried else front.recurrent_call)(
             q, k, v, g, beta, state, state_indices, scale, cu_seqlens, use_qk_l2norm,
             intermediate_states, update_state, state_layout, use_gate_in_kernel, A_log, dt_bias,
             use_beta_sigmoid_in_kernel)
@@ -292,6 +307,10 @@ def gdn_commit(state: Array, intermediate_states: Array, state_indices: Optional
     them without a synchronisation, such entries leave their slot as it was).
     No host synchronisation on CUDA: capturable in a CUDA graph together with
     the verify step."""
+    hot = _commit_hot  # the verify step's hot path: PyTorch tensors straight to the binding
+    if hot is not None and hot(state, intermediate_states, state_indices, num_accepted,
+                               state_layout):
+        return None
     check_layout(state_layout)
     state, intermediate_states, state_indices, num_accepted = public_arrays(
         [("state", state), ("intermediate_states", intermediate_states),

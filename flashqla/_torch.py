@@ -274,7 +274,21 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: T
     their defaults when it boxes a call for a Python kernel, and the
     ADInplaceOrView step of older PyTorch releases (the H200 image's) then
     indexes the mutated intermediate_states (argument 10) past the end
-    (IndexError under opcheck, torch.compile and CUDA graphs)."""
+    (IndexError under opcheck, torch.compile and CUDA graphs).
+
+    Without cu_seqlens (whose CUDA step needs a workspace) and where torch has
+    the DLPack C exchange API, the tensors go to the binding themselves, as on
+    the eager hot path: what recurrent_prepared does, without its capsules."""
+    if _EXCHANGE and cu_seqlens is None:
+        use_gate = bool(use_gate_in_kernel)
+        o = torch.empty_like(v, memory_format=torch.contiguous_format)  # [B, T, HV, V]
+        _C.recurrent(q, k, v, g, beta, state, o, scale=scale, state_indices=state_indices,
+                     use_qk_l2norm=bool(use_qk_l2norm), intermediate_states=intermediate_states,
+                     update_state=bool(update_state), state_layout=state_layout,
+                     use_gate_in_kernel=use_gate, A_log=A_log if use_gate else None,
+                     dt_bias=dt_bias if use_gate else None,
+                     use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), exchange_api=True)
+        return o
     gates = FusedGates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     return recurrent_prepared(TORCH, q, k, v, g, beta, state, state_indices, cu_seqlens, scale,
                               use_qk_l2norm, gates, state_layout, intermediate_states,
@@ -443,14 +457,25 @@ def gdn_recurrent(q, k, v, g, beta, state, *, state_indices=None, scale=None, cu
 def recurrent_call(q, k, v, g, beta, state, state_indices, scale, cu_seqlens, use_qk_l2norm,
                    intermediate_states, update_state, state_layout, use_gate_in_kernel, A_log,
                    dt_bias, use_beta_sigmoid_in_kernel):
-    """gdn_recurrent with its arguments in order (flashqla.gdn_recurrent calls
-    this: positional arguments cost ~0.5 us less per decode step than keywords):
-    the hot path when the call is of its kind, else the checked path."""
+    """gdn_recurrent with its arguments in order (positional arguments cost ~0.5 us
+    less per decode step than keywords): the hot path when the call is of its
+    kind, else the checked path. (flashqla.gdn_recurrent tries recurrent_hot
+    itself, then calls recurrent_checked.)"""
     if cu_seqlens is None and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel:
         o = recurrent_hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
                           intermediate_states, update_state, state_layout)
         if o is not None:
             return o
+    return recurrent_checked(q, k, v, g, beta, state, state_indices, scale, cu_seqlens,
+                             use_qk_l2norm, intermediate_states, update_state, state_layout,
+                             use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+
+
+def recurrent_checked(q, k, v, g, beta, state, state_indices, scale, cu_seqlens, use_qk_l2norm,
+                      intermediate_states, update_state, state_layout, use_gate_in_kernel, A_log,
+                      dt_bias, use_beta_sigmoid_in_kernel):
+    """The checked path of gdn_recurrent (arguments in order): every check and
+    preparation in Python, then the op (or its kernel when nothing traces)."""
     _check_ndim(q, "q", 4, "[B, T, H, K]")
     _check_ndim(k, "k", 4, "[B, T, H, K]")
     _check_ndim(v, "v", 4, "[B, T, HV, V]")
@@ -518,43 +543,61 @@ def recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, inter=None
     included) before it does anything, and an argument it refuses sends the
     call down the full path, which makes inputs contiguous or raises its own
     error naming the argument. scale None or a float goes to the binding as
-    it came (None: K ** -0.5 there, the same double). On CUDA: torch's
-    current stream as a raw int and no workspace (the step needs one only
-    with cu_seqlens). Returns None when the call is not of that kind
+    it came (None: K ** -0.5 there, the same double). The tensors go to the
+    binding themselves, taken there through torch's DLPack C exchange API
+    (exchange_api=True: what a to_dlpack capsule held, without making one),
+    which on CUDA also gives torch's current stream; a torch without that API
+    gets capsules and the stream as a raw int. No workspace (the step needs
+    one only with cu_seqlens). Returns None when the call is not of that kind
     (gdn_recurrent then takes the full path)."""
+    T = Tensor  # type() first: it runs no torch function mode
+    if not (type(q) is T and type(k) is T and type(v) is T and type(g) is T and type(beta) is T
+            and type(state) is T):
+        return None
     if not _plain_eager():
         return None
-    for x in (q, k, v, g, beta, state):  # (contiguity: the binding checks it, see below)
-        if type(x) is not Tensor or x.requires_grad:
-            return None
-    if g.dtype != beta.dtype or (g.dtype != torch.float32 and g.dtype != q.dtype):
+    if (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or
+            beta.requires_grad or state.requires_grad):
+        return None
+    gd = g.dtype                                               # (dtypes are singletons)
+    if gd is not beta.dtype or (gd is not _F32 and gd is not q.dtype):
         return None
     dev = q.get_device()                                       # -1 on the CPU
-    if idx is not None and (type(idx) is not Tensor or idx.get_device() != dev):
+    if idx is not None and (type(idx) is not T or idx.get_device() != dev):
         return None
     serving = not (inter is None and update_state is True and state_layout == "kv")
     if serving:                                                # verify, the [V, K] layout
         if not ((update_state is True or update_state is False) and
                 (state_layout == "kv" or state_layout == "vk")):
             return None
-        if inter is not None and (type(inter) is not Tensor or inter.requires_grad):
+        if inter is not None and (type(inter) is not T or inter.requires_grad):
             return None
     if scale is not None and type(scale) is not float:
         scale = scale_of(scale, q)  # (None: the binding's K ** -0.5, the same double)
-    c = _to_dlpack
-    kw = {}                                                    # decode: the defaults
-    if serving:
-        kw = {"intermediate_states": None if inter is None else c(inter),
-              "update_state": update_state, "state_layout": state_layout}
-    if idx is not None:
-        kw["state_indices"] = c(idx)
-    if use_qk_l2norm:
-        kw["use_qk_l2norm"] = True
-    if q.is_cuda:
-        kw["stream"] = TORCH.cuda_stream(dev)
     o = torch.empty_like(v)                                    # [B, T, HV, V]
     try:
-        _C.recurrent(c(q), c(k), c(v), c(g), c(beta), c(state), c(o), scale=scale, **kw)
+        if _EXCHANGE:
+            if serving:
+                _C.recurrent(q, k, v, g, beta, state, o, scale=scale, state_indices=idx,
+                             use_qk_l2norm=use_qk_l2norm, intermediate_states=inter,
+                             update_state=update_state, state_layout=state_layout,
+                             exchange_api=True)
+            else:
+                _C.recurrent(q, k, v, g, beta, state, o, scale=scale, state_indices=idx,
+                             use_qk_l2norm=use_qk_l2norm, exchange_api=True)
+        else:
+            c = _to_dlpack
+            kw = {}                                            # decode: the defaults
+            if serving:
+                kw = {"intermediate_states": None if inter is None else c(inter),
+                      "update_state": update_state, "state_layout": state_layout}
+            if idx is not None:
+                kw["state_indices"] = c(idx)
+            if use_qk_l2norm:
+                kw["use_qk_l2norm"] = True
+            if dev >= 0:
+                kw["stream"] = TORCH.cuda_stream(dev)
+            _C.recurrent(c(q), c(k), c(v), c(g), c(beta), c(state), c(o), scale=scale, **kw)
     except (ValueError, TypeError):
         # the binding refused an argument before doing anything (a non-contiguous
         # array, or a bad one): the checked path makes the inputs contiguous, or
@@ -562,9 +605,6 @@ def recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, inter=None
         return None
     _written(state, inter, update_state)
     return o
-
-
-_increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
 
 
 def _written(state, inter, update_state):
@@ -577,6 +617,40 @@ def _written(state, inter, update_state):
             _increment_version((state,))
     else:
         _increment_version((state, inter) if update_state else (inter,))
+
+
+# torch.Tensor carries the DLPack C exchange API (DLPack 1.3) that the binding
+# takes tensors through: no capsule per array, the CUDA stream read in C
+_EXCHANGE = bool(_C.exchange_api(Tensor))
+_F32 = torch.float32
+_increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
+
+
+def commit_hot(state, inter, idx, acc, state_layout):
+    """The hot path of gdn_commit (one call per verify step): plain tensors,
+    nothing tracing (_plain_eager), indices on the pool's device and a layout
+    the binding takes; the binding, handed the tensors themselves (exchange_api,
+    as recurrent_hot), checks everything else, and an argument it refuses
+    sends the call down the checked path (which converts lists, moves indices
+    and raises its own errors). True when the commit was made."""
+    T = Tensor
+    if not (_EXCHANGE and type(state) is T and type(inter) is T and type(acc) is T and
+            (idx is None or type(idx) is T)):
+        return False
+    if not _plain_eager():
+        return False
+    dev = state.get_device()
+    if acc.get_device() != dev or (idx is not None and idx.get_device() != dev):
+        return False
+    if state_layout != "kv" and state_layout != "vk":
+        return False
+    try:
+        _C.commit(state, inter, acc, state_indices=idx, state_layout=state_layout,
+                  exchange_api=True)
+    except (ValueError, TypeError):
+        return False  # nothing was written: the checked path raises its own error
+    _increment_version((state,))  # as the op's ADInplaceOrView kernel
+    return True
 
 
 def _plain_eager(*tensors):

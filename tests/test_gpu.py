@@ -2,6 +2,7 @@
 outputs) and through the public API (PyTorch CUDA tensors, CuPy, JAX GPU
 arrays): forward, backward, autograd, T = 32768 with strong decay, padded
 varlen batches, K = V = 64 and 128, bf16 / fp16 / fp32 inputs, bad inputs,
+K = V = 256 (forward, backward, recurrent step),
 a CUDA-graph capture and replay of forward + backward, and the recurrent
 step against the CPU backend.
 
@@ -56,6 +57,10 @@ GPU_CASES = {
     "zero-decay": _case(1, 2000, 1, 2, 128, 128, a_max=0.0),
     "varlen-padded": _case(1, 0, 2, 4, 128, 128, seqlens=[1, 63, 0, 64, 65, 1000, 7]),
     "T32768-strong-decay": _case(1, 32768, 1, 2, 128, 128, a_max=16.0),
+    # K = V = 256 (issue 7 item 4): the three-stage forward, the backward's
+    # 64-row h slices in bwd_local and its K-split bwd_state
+    "bf16-K256-varlen-gva": _case(1, 0, 2, 4, 256, 256, seqlens=[1, 63, 64, 65, 0, 100]),
+    "fp32-K256-l2norm": _case(1, 130, 1, 2, 256, 256, dtype="float32", l2norm=True),
 }
 
 
@@ -230,6 +235,126 @@ def test_cuda_recurrent_equals_chunked_forward():
     o_rec = torch.cat(outs, dim=1)
     assert_close("o (recurrent vs chunked)", o_rec, to_f64(o_chunk), gpu_tol("o"))
     assert_close("state (recurrent vs chunked)", pool, to_f64(ht_chunk), gpu_tol("ht"))
+
+
+# ----------------------------------------------------------- K = V = 256 ----
+# issue 7 item 4: the CUDA chunked forward (the three-stage forward; the fused
+# sm_90a one takes 64 and 128 only), its backward and the recurrent step take
+# K = V = 256 (forward and backward against the reference: GPU_CASES above).
+
+K256_CASES = {
+    "bf16-varlen-gva": _case(1, 0, 2, 4, 256, 256, seqlens=[1, 63, 64, 65, 0, 300]),
+    "fp16-no-h0": _case(2, 130, 1, 2, 256, 256, dtype="float16", h0=False),
+    "T2048-strong-decay": _case(1, 2048, 1, 2, 256, 256, a_max=16.0),
+}
+
+
+@pytest.mark.parametrize("name", list(K256_CASES))
+def test_cuda_forward_k256_matches_reference(name):
+    case = K256_CASES[name]
+    opt = case[1]
+    _, t = _inputs(case)
+    o, ht = c_chunk_fwd(t, use_qk_l2norm=opt["l2norm"])  # on NaN-filled outputs
+    torch.cuda.synchronize()
+    ref = reference_of(t, use_qk_l2norm=opt["l2norm"], grads=False)
+    assert o.dtype == t["q"].dtype and o.device.type == "cuda"
+    assert_close("o", o, ref["o"], gpu_tol("o"))
+    assert_close("final_state", ht, ref["ht"], gpu_tol("ht"))
+
+
+def test_cuda_k256_autograd_matches_reference():
+    """gdn_chunk at K = V = 256 on CUDA through autograd (forward and
+    backward) against the reference; 256 with another head dim is refused."""
+    _, t = _inputs(_case(1, 0, 1, 2, 256, 256, seqlens=[70, 58], l2norm=True))
+    leaves = {n: t[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, ht = flashqla.gdn_chunk(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                               leaves["beta"], initial_state=leaves["h0"],
+                               output_final_state=True, cu_seqlens=t["cu_seqlens"],
+                               use_qk_l2norm=True)
+    ((o.float() * t["do"].float()).sum() + (ht * t["dht"]).sum()).backward()
+    ref = reference_of(t, use_qk_l2norm=True)
+    assert_close("o", o, ref["o"], gpu_tol("o"))
+    assert_close("final_state", ht, ref["ht"], gpu_tol("ht"))
+    for name, leaf in zip(GRAD_NAMES, leaves.values()):
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.is_cuda
+        assert_close(name, leaf.grad, ref[name], gpu_tol(name))
+    with pytest.raises(ValueError, match="^v:.*K = V = 256"):   # 256 only as K = V = 256
+        flashqla.gdn_chunk(t["q"], t["k"], t["v"][..., :128].contiguous(), t["g"], t["beta"])
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("T", [1, 6])  # 1: one token per stage; 6: two groups of 4
+def test_cuda_recurrent_k256_matches_reference(T, layout):
+    N, H, HV, K, V, P = 4, 1, 2, 256, 256, 6
+    inp = make_inputs(N, T, H, HV, K, V, seed=10 + T, h0=False)
+    t = cast_inputs_torch(inp, "bfloat16", "float32", device="cuda")
+    rng = np.random.default_rng(1)
+    pool = torch.tensor(rng.standard_normal((P, HV, K, V)) * 0.5, dtype=torch.float32)
+    idx = torch.tensor([5, -1, 0, 3], dtype=torch.int32)
+    o_ref, pool_ref = reference.recurrent(*(to_f64(t[n]) for n in ("q", "k", "v", "g", "beta")),
+                                          pool.double().numpy(), state_indices=idx.numpy())
+    pool_gpu = pool.cuda() if layout == "kv" else pool.transpose(2, 3).contiguous().cuda()
+    o = flashqla.gdn_recurrent(t["q"], t["k"], t["v"], t["g"], t["beta"], pool_gpu,
+                               state_indices=idx.cuda(), state_layout=layout)
+    torch.cuda.synchronize()
+    if layout == "vk":
+        pool_gpu = pool_gpu.transpose(2, 3)
+    live = [0, 2, 3]
+    assert torch.count_nonzero(o[1]) == 0, "a padded sequence gets o = 0"
+    assert_close("o", o[live], o_ref[live], gpu_tol("o"))
+    assert_close("state", pool_gpu, pool_ref, gpu_tol("ht"))
+    for s in (1, 2, 4):
+        assert torch.equal(pool_gpu[s].cpu(), pool[s]), f"slot {s} must not change"
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_cuda_k256_pool_prefill_and_checkpoints(layout):
+    """The serving forms of the K = V = 256 forward (stage B's pool, layout
+    and checkpoint code at K = 256): prefill through a pool equals gather ->
+    gdn_chunk -> scatter bit for bit and the reference; checkpoints every 64
+    tokens match the reference's states, the last one of a sequence whose
+    length is a multiple of 64 is its final state bit for bit."""
+    seqlens = [70, 0, 1, 300, 64]
+    inp, t = _inputs(_case(1, 0, 2, 4, 256, 256, seqlens=seqlens, h0=False))
+    args = [t[n] for n in ("q", "k", "v", "g", "beta")]
+    cu = t["cu_seqlens"]
+    tr = (lambda x: x) if layout == "kv" else (lambda x: x.transpose(-1, -2).contiguous())
+    pool = tr(torch.randn(7, 4, 256, 256, device="cuda") * 0.5)
+    idx = torch.tensor([5, -1, 2, 6, 0], dtype=torch.int32, device="cuda")
+    ok = idx >= 0
+    h0 = torch.zeros((len(seqlens),) + tuple(pool.shape[1:]), device="cuda")
+    h0[ok] = pool[idx[ok].long()]
+    o_ref, ht = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   state_layout=layout)
+    want = pool.clone()
+    want[idx[ok].long()] = ht[ok]
+    got = pool.clone()
+    o, none = flashqla.gdn_chunk(*args, state=got, state_indices=idx, cu_seqlens=cu,
+                                 state_layout=layout)
+    torch.cuda.synchronize()
+    assert none is None
+    assert torch.equal(o, o_ref)
+    assert torch.equal(got, want)
+    f = [to_f64(x) for x in args]
+    h0kv = to_f64(tr(h0))
+    ro, rht = reference.forward(*f, initial_state=h0kv, cu_seqlens=inp["cu_seqlens"])
+    assert_close("o", o, ro, gpu_tol("o"))
+    assert_close("slot 6", tr(got[6]), rht[3], gpu_tol("ht"))
+    # checkpoints (from the same h0)
+    o2, ht2, (ck, cuck) = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True,
+                                             cu_seqlens=cu, checkpoint_every=64, state_layout=layout)
+    torch.cuda.synchronize()
+    assert torch.equal(o2, o_ref) and torch.equal(ht2, ht)
+    counts = [L // 64 for L in seqlens]
+    assert cuck.cpu().tolist() == list(np.concatenate([[0], np.cumsum(counts)]))
+    traj = reference.states(*f, initial_state=h0kv, cu_seqlens=inp["cu_seqlens"])
+    c0 = cuck.cpu().tolist()
+    for n, L in enumerate(seqlens):
+        for c in range(L // 64):
+            assert_close(f"seq {n} ckpt {c}", tr(ck[c0[n] + c]), traj[n][64 * (c + 1) - 1], gpu_tol("ht"))
+        if L and L % 64 == 0:
+            assert torch.equal(ck[c0[n + 1] - 1], ht[n])
+    assert torch.all(ck[c0[-1]:] == 0)
 
 
 # ------------------------------------------------------------ bad inputs ----

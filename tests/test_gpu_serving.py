@@ -229,7 +229,7 @@ def _rec_inputs(N, T, Hh, HVv, Kk, Vv, seed, dtype, l2norm=False):
 
 
 @pytest.mark.parametrize("N,T", [(1, 1), (3, 1), (17, 1), (5, 4), (2, 9)])
-@pytest.mark.parametrize("Kk,Vv", [(128, 128), (64, 64), (64, 128)])
+@pytest.mark.parametrize("Kk,Vv", [(128, 128), (64, 64), (64, 128), (256, 256)])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_cuda_recurrent_matches_reference(N, T, Kk, Vv, layout):
     Hh, HVv = 2, 4

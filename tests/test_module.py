@@ -781,6 +781,253 @@ def test_recurrent_validation(make, exc, message):
     np.testing.assert_array_equal(a["state"], pool)
 
 
+# ------------------------------------- the DLPack C exchange API (1.3) ----
+
+MANAGED_FROM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+DLTENSOR_FROM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(DLTensor))
+WORK_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int32,
+                               ctypes.POINTER(ctypes.c_void_p))
+
+
+class DLPackExchangeAPIHeader(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("prev_api", ctypes.c_void_p)]
+
+
+class DLPackExchangeAPI(ctypes.Structure):
+    _fields_ = [("header", DLPackExchangeAPIHeader), ("managed_tensor_allocator", ctypes.c_void_p),
+                ("managed_tensor_from_py_object_no_sync", MANAGED_FROM),
+                ("managed_tensor_to_py_object_no_sync", ctypes.c_void_p),
+                ("dltensor_from_py_object_no_sync", DLTENSOR_FROM),
+                ("current_work_stream", WORK_STREAM)]
+
+
+_EXCHANGE_NAME = b"dlpack_exchange_api"  # lives as long as the module
+_READ_ONLY = 1
+
+
+def exchange_type(major=1, prev_major=None, non_owning=True, stream=0x5150):
+    """A fresh array type (the binding caches per type) whose instances wrap a
+    FakeTensor and carry a DLPack C exchange API table made with ctypes: the
+    owning export hands out the FakeTensor's own versioned tensor (its deleter
+    counted), the non-owning one a copy of its DLTensor. A header of major
+    version `major`, with an older table of `prev_major` chained behind it.
+    Every call is recorded on the type: ("owning" | "non-owning", name) and
+    ("stream", device_type, device_id)."""
+    calls = []
+
+    def obj(ptr):
+        return ctypes.cast(ptr, ctypes.py_object).value
+
+    def managed(ptr, out):
+        x = obj(ptr)
+        calls.append(("owning", x.name))
+        out[0] = ctypes.addressof(x.fake.m)
+        return 0
+
+    def dltensor(ptr, out):
+        x = obj(ptr)
+        calls.append(("non-owning", x.name))
+        out[0] = x.fake.m.dl_tensor
+        return 0
+
+    def work_stream(device_type, device_id, out):
+        calls.append(("stream", device_type, device_id))
+        out[0] = stream
+        return 0
+
+    fns = (MANAGED_FROM(managed), DLTENSOR_FROM(dltensor) if non_owning else DLTENSOR_FROM(),
+           WORK_STREAM(work_stream))
+
+    def table(m, prev=None):
+        return DLPackExchangeAPI(DLPackExchangeAPIHeader(DLPackVersion(m, 0), prev), None, fns[0],
+                                 None, fns[1], fns[2])
+
+    older = table(prev_major) if prev_major is not None else None
+    api = table(major, ctypes.addressof(older) if older is not None else None)
+
+    class Exchanged(DLPackObject):
+        def __init__(self, fake, name):
+            super().__init__(fake)
+            self.name = name
+
+    Exchanged.__dlpack_c_exchange_api__ = _PyCapsule_New(ctypes.addressof(api), _EXCHANGE_NAME, None)
+    Exchanged.calls = calls
+    Exchanged.keep = (fns, api, older)  # the table outlives every call
+    return Exchanged
+
+
+def test_exchange_api_takes_arrays_without_dlpack_calls():
+    """exchange_api=True: an input comes through the non-owning export, a
+    written array through the owning one (its deleter called once), no
+    __dlpack__ call, the same bits as plain NumPy arrays; without the flag the
+    same objects go through __dlpack__."""
+    ref = make_rec_inputs()
+    rec(ref)
+    for exchange in (True, False):
+        a = make_rec_inputs()
+        X = exchange_type()
+        q, o = X(fake_like(a["q"]), "q"), X(fake_like(a["o"]), "o")
+        rec(dict(a, q=q, o=o), exchange_api=exchange)
+        np.testing.assert_array_equal(a["o"], ref["o"])
+        np.testing.assert_array_equal(a["state"], ref["state"])
+        if exchange:
+            assert X.calls == [("non-owning", "q"), ("owning", "o")]  # no stream on the CPU
+            assert q.calls == [] and o.calls == []
+            assert q.fake.deleted == 0 and o.fake.deleted == 1
+        else:
+            assert X.calls == [] and len(q.calls) == 1 and len(o.calls) == 1
+            assert q.fake.deleted == 1 and o.fake.deleted == 1
+        assert _C.exchange_api(X)
+
+
+def test_exchange_api_read_only_flag_and_owning_only_tables():
+    """A written array whose owning export says read-only is refused (nothing
+    written, its deleter called); a table without the non-owning export gives
+    inputs through the owning one; an update_state=False pool is an input."""
+    a = make_rec_inputs()
+    X = exchange_type()
+    o = X(fake_like(a["o"], flags=_READ_ONLY), "o")
+    with pytest.raises(ValueError, match=r"^o: is read-only, but flashqla writes it"):
+        rec(dict(a, o=o), exchange_api=True)
+    assert np.isnan(a["o"]).all() and o.fake.deleted == 1
+    a = make_rec_inputs()
+    pool = a["state"].copy()
+    X = exchange_type(non_owning=False)
+    q, s = X(fake_like(a["q"]), "q"), X(fake_like(a["state"], flags=_READ_ONLY), "state")
+    rec(dict(a, q=q, state=s), exchange_api=True, update_state=False)
+    assert X.calls == [("owning", "q"), ("owning", "state")]
+    assert q.fake.deleted == 1 and s.fake.deleted == 1
+    np.testing.assert_array_equal(a["state"], pool)
+    assert np.isfinite(a["o"]).all()
+
+
+def test_exchange_api_versions():
+    """A table of a newer major version is passed over for the older one it
+    chains; one with no major-1 table in its chain is no table (__dlpack__)."""
+    for major, prev, taken in ((2, 1, True), (2, None, False), (0, None, False)):
+        a = make_rec_inputs()
+        X = exchange_type(major=major, prev_major=prev)
+        q = X(fake_like(a["q"]), "q")
+        rec(dict(a, q=q), exchange_api=True)
+        assert _C.exchange_api(X) is taken
+        assert (X.calls == [("non-owning", "q")]) is taken and (len(q.calls) == 0) is taken
+    with pytest.raises(TypeError, match="^exchange_api: expected a type"):
+        _C.exchange_api(1)
+    assert not _C.exchange_api(np.ndarray) and not _C.exchange_api(int)
+
+
+def test_exchange_api_cuda_stream_asked_once_before_any_dlpack_call():
+    """On CUDA with stream=None the first array's producer gives the stream
+    (asked with its device) before any other array's __dlpack__ is called,
+    which then gets that stream; an explicit stream is never replaced. (A
+    shape error stops the call before anything could launch on the fake
+    device.)"""
+    a = make_rec_inputs()
+    fakes = {n: FakeTensor(x.shape, str(x.dtype), device=(2, 3)) for n, x in a.items()}
+    fakes["k"] = FakeTensor((B, 1, H, K + 1), device=(2, 3))
+    X = exchange_type(stream=0x5150)
+    q = X(fakes["q"], "q")
+    k = DLPackObject(fakes["k"])
+    args = dict({n: f.capsule() for n, f in fakes.items()}, q=q, k=k)
+    with pytest.raises(ValueError, match=r"^k: expected shape"):
+        rec(args, exchange_api=True)
+    assert X.calls == [("non-owning", "q"), ("stream", 2, 3)]
+    assert k.calls[0]["stream"] == 0x5150
+    fakes["k"] = FakeTensor((B, 1, H, K + 1), device=(2, 3))
+    k = DLPackObject(fakes["k"])
+    args.update(k=k, **{n: fakes[n].capsule() for n in ("v", "g", "beta", "state", "o")})
+    with pytest.raises(ValueError, match=r"^k: expected shape"):
+        rec(args, exchange_api=True, stream=77)
+    assert X.calls[2:] == [("non-owning", "q")] and k.calls[0]["stream"] == 77
+
+
+@needs_torch
+def test_exchange_api_torch_bits_refcounts_and_failures():
+    """torch.Tensor's own table (where this torch has one): the same bits as
+    capsules, reference counts unchanged over calls and failures, and a
+    tensor the producer cannot export named in a ValueError."""
+    if not _C.exchange_api(torch.Tensor):
+        assert not hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+        pytest.skip("this torch has no DLPack C exchange API")
+    a = {n: torch.from_numpy(x) for n, x in make_rec_inputs().items()}
+    b = {n: x.clone() for n, x in a.items()}
+    rec(a, exchange_api=True)
+    rec({n: torch.utils.dlpack.to_dlpack(x) for n, x in b.items()})
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    before = {n: sys.getrefcount(x) for n, x in a.items()}
+    for _ in range(3):
+        rec(a, exchange_api=True)
+    with pytest.raises(ValueError, match=r"^k: expected shape"):
+        rec(a, k=a["k"][..., :3], exchange_api=True)
+    with pytest.raises(ValueError, match=r"^k: DLPack C exchange API export failed: "):
+        rec(a, k=torch.empty(a["k"].shape, device="meta"), exchange_api=True)
+    with pytest.raises(ValueError, match=r"^o: must be C-contiguous"):
+        rec(a, o=torch.empty(a["o"].shape[:-1] + (2 * V,))[..., ::2], exchange_api=True)
+    after = {n: sys.getrefcount(x) for n, x in a.items()}
+    assert before == after
+
+
+@needs_torch
+def test_exchange_api_commit_equals_capsules():
+    """_C.commit(..., exchange_api=True) with torch tensors: the capsules' bits,
+    reference counts unchanged over calls and a failure."""
+    if not _C.exchange_api(torch.Tensor):
+        pytest.skip("this torch has no DLPack C exchange API")
+    pool, inter = torch.randn(4, HV, K, V), torch.randn(3, 2, HV, K, V)
+    idx, acc = torch.tensor([3, -1, 0], dtype=torch.int32), torch.tensor([1, 2, 2])
+    a, b = pool.clone(), pool.clone()
+    _C.commit(a, inter, acc, state_indices=idx, exchange_api=True)
+    c = torch.utils.dlpack.to_dlpack
+    _C.commit(c(b), c(inter), c(acc), state_indices=c(idx))
+    assert torch.equal(a, b) and not torch.equal(a, pool)
+    args = (a, inter, acc, idx)
+    before = [sys.getrefcount(x) for x in args]
+    for _ in range(3):
+        _C.commit(a, inter, acc, state_indices=idx, exchange_api=True)
+    with pytest.raises(ValueError, match=r"^num_accepted: expected shape"):
+        _C.commit(a, inter, acc[:2], state_indices=idx, exchange_api=True)
+    assert [sys.getrefcount(x) for x in args] == before
+
+
+def test_recurrent_argument_messages():
+    """_C.recurrent parses its own arguments (METH_FASTCALL) with the
+    messages of PyArg_ParseTupleAndKeywords, which _C.chunk_fwd still uses."""
+    x = np.zeros(1, np.float32)
+    cases = [
+        ((), {}, "recurrent() missing required argument 'q' (pos 1)"),
+        ((x,) * 6, {}, "recurrent() missing required argument 'o' (pos 7)"),
+        ((x,) * 8, {}, "recurrent() takes at most 7 positional arguments (8 given)"),
+        ((x,) * 7, dict(scale=1.0, bogus=1), "'bogus' is an invalid keyword argument for recurrent()"),
+        ((x,) * 7, dict(scale=1.0, q=x), "argument for recurrent() given by name ('q') and position (1)"),
+        ((x,) * 7, {"scale": 1.0, 1: 2}, "keywords must be strings"),
+        ((x,) * 7, {}, "recurrent() missing required keyword-only argument: 'scale'"),
+    ]
+    for args, kw, message in cases:
+        with pytest.raises(TypeError) as info:
+            _C.recurrent(*args, **kw)
+        assert str(info.value) == message
+    fwd_like = {"q": x, "k": x, "v": x, "g": x, "beta": x}
+    with pytest.raises(TypeError) as info:
+        _C.chunk_fwd(*fwd_like.values(), x, scale=1.0, bogus=1)
+    assert str(info.value) == "'bogus' is an invalid keyword argument for chunk_fwd()"
+    with pytest.raises(TypeError) as info:
+        _C.commit(x, x)
+    assert str(info.value) == "commit() missing required argument 'num_accepted' (pos 3)"
+    with pytest.raises(TypeError) as info:
+        _C.commit(x, x, x, scale=1.0)
+    assert str(info.value) == "'scale' is an invalid keyword argument for commit()"
+    with pytest.raises(ValueError, match="truth value"):  # a bad "p" value: its own error
+        _C.recurrent(*(x,) * 7, scale=1.0, update_state=np.zeros(2))
+    # keywords made at run time (not interned) are matched by their text
+    a, b = make_rec_inputs(), make_rec_inputs()
+    names = ("q", "k", "v", "g", "beta", "state", "o")
+    _C.recurrent(**{"".join([n, ""]): a[n] for n in names}, **{"".join(["sc", "ale"]): 0.25})
+    _C.recurrent(*(b[n] for n in names), scale=0.25)
+    np.testing.assert_array_equal(a["o"], b["o"])
+    np.testing.assert_array_equal(a["state"], b["state"])
+
+
 # --------------------------------------------------------------- GIL ------
 
 def test_gil_released_during_compute():

@@ -302,6 +302,50 @@ def test_recurrent_fast_path_scale_and_strided_inputs_equal_the_op(scale, stride
     assert_close("o", out[0][0], o_ref, tolerance(dtype, "o"))
 
 
+def _no_capsule(x):
+    raise AssertionError("the exchange API was expected, not a to_dlpack capsule")
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkeypatch, verify):
+    """The hot path and the op's kernel hand the tensors themselves to the
+    binding (taken there through torch's DLPack C exchange API: no capsule
+    made) where torch has that API, capsules where it has not (the op:
+    recurrent_prepared): the same bits every way."""
+    N, T, HV = 3, (4 if verify else 1), 4
+    t = cast_inputs_torch(make_inputs(N, T, 2, HV, 32, 32, seed=23, h0=False), "float32")
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    pool = torch.randn(5, HV, 32, 32)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    out = []
+    for mode in ("exchange", "capsules", "op", "op-prepared"):
+        p = pool.clone()
+        i = torch.zeros((N, T, HV, 32, 32)) if verify else None
+        kw = dict(state_indices=idx, intermediate_states=i, update_state=not verify)
+        with monkeypatch.context() as m:
+            if mode.startswith("op"):
+                if mode == "op-prepared":
+                    m.setattr(flashqla._torch, "_EXCHANGE", False)
+                elif flashqla._torch._EXCHANGE:
+                    m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
+                with _Recorder():
+                    o = flashqla.gdn_recurrent(*args, p, **kw)
+            else:
+                m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
+                if mode == "exchange":
+                    if not flashqla._torch._EXCHANGE:
+                        continue  # this torch has no exchange API: capsules only
+                    m.setattr(flashqla._torch, "_to_dlpack", _no_capsule)
+                else:
+                    m.setattr(flashqla._torch, "_EXCHANGE", False)
+                o = flashqla.gdn_recurrent(*args, p, **kw)
+        out.append((o, p, i))
+    assert flashqla._torch._EXCHANGE == flashqla._C.exchange_api(torch.Tensor)
+    for o, p, i in out[1:]:
+        assert torch.equal(out[0][0], o) and torch.equal(out[0][1], p)
+        assert i is None or torch.equal(out[0][2], i)
+
+
 @pytest.mark.parametrize("path", ["hot", "checked", "op"])
 @pytest.mark.parametrize("verify", [False, True])
 def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
@@ -345,6 +389,41 @@ def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
     else:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved[0].backward()
+
+
+def test_commit_fast_path_equals_the_op_and_falls_back():
+    """gdn_commit's hot path (plain tensors straight to the binding) gives the
+    op's bits; lists, a bad layout, num_accepted None and an out-of-range
+    count take the checked path and its errors, writing nothing."""
+    P, N, Ti, HV = 5, 3, 4, 2
+    pool = torch.randn(P, HV, 16, 8)
+    inter = torch.randn(N, Ti, HV, 16, 8)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    acc = torch.tensor([2, 3, 0], dtype=torch.int64)
+    fast, op = pool.clone(), pool.clone()
+    flashqla.gdn_commit(pool.clone(), inter, idx, acc)  # the first torch call brings the hot path in
+    with pytest.MonkeyPatch.context() as m:
+        if flashqla._torch._EXCHANGE:
+            m.setattr(flashqla._torch, "commit_prepared", _no_full_path)
+        flashqla.gdn_commit(fast, inter, idx, acc)
+    with _Recorder():
+        flashqla.gdn_commit(op, inter, idx, acc)
+    assert torch.equal(fast, op)
+    assert torch.equal(fast[4], inter[0, 1]) and torch.equal(fast[1], pool[1])
+    lists = pool.clone()
+    flashqla.gdn_commit(lists, inter, [4, -1, 1], [2, 3, 0])
+    assert torch.equal(lists, op)
+    vk = pool.transpose(-1, -2).contiguous()
+    flashqla.gdn_commit(vk, inter.transpose(-1, -2).contiguous(), idx, acc, state_layout="vk")
+    assert torch.equal(vk.transpose(-1, -2), op)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"^state_layout: expected"):
+        flashqla.gdn_commit(pool, inter, idx, acc, state_layout="kvx")
+    with pytest.raises(TypeError, match=r"^num_accepted: expected an array .*, got None"):
+        flashqla.gdn_commit(pool, inter, idx, None)
+    with pytest.raises(ValueError, match=r"num_accepted"):
+        flashqla.gdn_commit(pool, inter, idx, torch.tensor([2, 9, 0]))
+    assert torch.equal(pool, before)
 
 
 def test_recurrent_fast_path_rejected_verify_leaves_the_buffers():

@@ -192,7 +192,9 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 static fq_status fq_chunk_bwd_on_device(const fq_gdn_params *p)
 {
     fq_gdn_params q;
-    fq_status st = fq_cuda_gates_begin(p, 'b', &q, (cudaStream_t)p->stream);
+    fq_status st = fq_cuda_check_k256_smem(p); /* K = 256: Hopper's 227 KB per block */
+    if (st != FQ_OK) return st;
+    st = fq_cuda_gates_begin(p, 'b', &q, (cudaStream_t)p->stream);
     if (st != FQ_OK) return st;
     if ((st = fq_cuda_bwd_run(&q, NULL)) != FQ_OK) return st;
     return fq_cuda_gates_end(p, &q, (cudaStream_t)p->stream);

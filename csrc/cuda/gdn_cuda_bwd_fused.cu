@@ -85,8 +85,10 @@ template <int K, int V> struct fq_bwd_wy_smem {
     static constexpr int bytes = off_vec + 16 * 64 * 4 + 16 * 4;
 };
 
+/* 2 blocks per SM (105 KB at K = V = 128); 1 at K = V = 256 (187 KB), up to
+ * 255 registers (dK and dW: 64 fp32 each per thread there) */
 template <int K, int V>
-__global__ void __launch_bounds__(256, 2) fq_bwd_wy_kernel(fq_bwd_args a)
+__global__ void __launch_bounds__(256, (K > 128 || V > 128) ? 1 : 2) fq_bwd_wy_kernel(fq_bwd_args a)
 {
     typedef fq_bwd_wy_smem<K, V> SM;
     constexpr int NTK = K / 64, NTV = V / 64;
@@ -571,16 +573,22 @@ static __device__ __forceinline__ void fq_wtile_sw(float c[4][4], const fq_bf16 
     }
 }
 
+/* HS: h's rows in shared memory at once: all K (h as a second cp.async
+ * group), or at K = 256 64-row slices, loaded one after the other inside
+ * the F = dO S^T loop (the whole h would be 132 KB: 270 KB in all); 172 KB
+ * then, one block per SM. */
 template <int K, int V> struct fq_bwd_local_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
+    static constexpr int HS = K > 128 ? 64 : K;
     static constexpr int off_q = 0;                        /* q_hat rows                */
     static constexpr int off_k = off_q + 64 * LDK * 2;     /* k_hat rows                */
     static constexpr int off_do = off_k + 64 * LDK * 2;    /* dO                        */
     static constexpr int off_vn = off_do + 64 * LDV * 2;   /* Vn, then P | dP (swizzled) */
     static constexpr int vn_bytes = 64 * LDV * 2 > 2 * 64 * 64 * 2 ? 64 * LDV * 2 : 2 * 64 * 64 * 2;
     static constexpr int off_h = off_vn + vn_bytes;        /* chunk-start state, K x V  */
-    static constexpr int off_vec = off_h + K * LDV * 2;
+    static constexpr int off_vec = off_h + HS * LDV * 2;
     static constexpr int bytes = off_vec + 12 * 64 * 4;
+    static constexpr int per_sm = K > 128 ? 1 : 2; /* blocks per SM (shared memory) */
 };
 
 /* Forward line:  O = scale (diag(e^g) Q S + P Vn),  P = lower_incl(Q K^T ⊙ Gamma)
@@ -593,9 +601,10 @@ template <int K, int V> struct fq_bwd_local_smem {
  *   dS_local = Q^T diag(scale e^g) dO  (K x V, bf16 -> a.dsl, for bwd_state)
  * then dq = r (dq_hat - q_hat (q_hat . dq_hat)) with use_qk_l2norm.          */
 template <int K, int V, bool SPLIT_H>
-__global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
+__global__ void __launch_bounds__(256, fq_bwd_local_smem<K, V>::per_sm) fq_bwd_local_kernel(fq_bwd_args a)
 {
     typedef fq_bwd_local_smem<K, V> SM;
+    static_assert(SM::HS == K || SPLIT_H, "h in slices needs SPLIT_H");
     constexpr int NTK = K / 64, NTV = V / 64;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *sQ = (fq_bf16 *)(smem + SM::off_q), *sK = (fq_bf16 *)(smem + SM::off_k);
@@ -664,8 +673,9 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
             }
         }
         fq_cp_async_commit();
-        if (SPLIT_H) { /* h is first needed by dO S^T: its load overlaps the products before */
-            fq_async_rows<V>(sH, SM::LDV, a.h + tile * K * V, V, K, K);
+        if (SPLIT_H) { /* h is first needed by dO S^T: its load overlaps the products before
+                        * (at K = 256 its first 64-row slice; the others in the F loop) */
+            fq_async_rows<V>(sH, SM::LDV, a.h + tile * K * V, V, SM::HS, SM::HS);
             fq_cp_async_commit();
             fq_cp_async_wait<1>();
         } else {
@@ -784,9 +794,19 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local_kernel(fq_bwd_args a)
             float xr[2] = {0.f, 0.f};
 #pragma unroll
             for (int i = 0; i < NTK; i++) {
+                if (SM::HS < K && i > 0) {
+                    /* K = 256: h rows 64 i .. 64 i + 63 into the slice, once
+                     * every warp is done with the one before */
+                    __syncthreads();
+                    fq_async_rows<V>(sH, SM::LDV, a.h + (tile * K + 64 * i) * V, V, 64, 64);
+                    fq_cp_async_commit();
+                    fq_cp_async_wait<0>();
+                    __syncthreads();
+                }
+                const fq_bf16 *sHi = sH + (SM::HS < K ? 0 : 64 * i * SM::LDV); /* h rows 64 i .. */
                 float acc[4][4];
                 fq_zero_tile(acc);
-                fq_wtile<V, false, true>(acc, sdO, SM::LDV, sH + 64 * i * SM::LDV, SM::LDV, wr, wc);
+                fq_wtile<V, false, true>(acc, sdO, SM::LDV, sHi, SM::LDV, wr, wc);
 #pragma unroll
                 for (int jn = 0; jn < 4; jn++)
 #pragma unroll
@@ -924,6 +944,7 @@ fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int6
     if (p->K == 128 && p->V == 64) return fq_bwd_local_launch_kv<128, 64, true>(a, nc, H, stream);
     if (p->K == 64 && p->V == 128) return fq_bwd_local_launch_kv<64, 128, true>(a, nc, H, stream);
     if (p->K == 64 && p->V == 64) return fq_bwd_local_launch_kv<64, 64, true>(a, nc, H, stream);
+    if (p->K == 256 && p->V == 256) return fq_bwd_local_launch_kv<256, 256, true>(a, nc, H, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }
 
@@ -948,5 +969,6 @@ fq_status fq_bwd_wy_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t
     if (p->K == 128 && p->V == 64) return fq_bwd_wy_launch_kv<128, 64>(a, nc, H, stream);
     if (p->K == 64 && p->V == 128) return fq_bwd_wy_launch_kv<64, 128>(a, nc, H, stream);
     if (p->K == 64 && p->V == 64) return fq_bwd_wy_launch_kv<64, 64>(a, nc, H, stream);
+    if (p->K == 256 && p->V == 256) return fq_bwd_wy_launch_kv<256, 256>(a, nc, H, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }

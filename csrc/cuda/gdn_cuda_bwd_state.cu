@@ -294,7 +294,11 @@ template <int K, int NW, int KS>
 static fq_status fq_bwd_state_launch_cfg(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm,
                                           cudaStream_t stream)
 {
-    constexpr int NSMAX = fq_bwd_state_smem<K, NW, 4, KS>::bytes <= 227 * 1024 ? 4 : 3;
+    /* K = 256: a ring stage is 82-93 KB (W, K tiles 33 KB each, dS_local
+     * 12-20 KB): 2-deep only */
+    constexpr int NSMAX = fq_bwd_state_smem<K, NW, 4, KS>::bytes <= 227 * 1024   ? 4
+                          : fq_bwd_state_smem<K, NW, 3, KS>::bytes <= 227 * 1024 ? 3
+                                                                                 : 2;
     const bool two = 2 * (fq_bwd_state_smem<K, NW, 2, KS>::bytes + 1024) <= smem_sm;
     if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS>(a, blocks, V, stream);
     return fq_bwd_state_launch_ns<K, NW, NSMAX, KS>(a, blocks, V, stream);
@@ -304,14 +308,25 @@ template <int K>
 static fq_status fq_bwd_state_launch_k(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm, int bv,
                                         int ks, cudaStream_t stream)
 {
-    if (ks == 2) {
+    if constexpr (K == 256) {
+        /* K = 256 (issue 7 item 4): the K-split only (64 fp32 of dS^T per
+         * lane, as K = 128 unsplit) and 16 or 32 columns per block (64: the
+         * 2-deep ring alone is 223 KB, with the P exchange 255 KB) */
+        if (ks != 2 || bv == 64)
+            return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state_launch: K = 256 runs ks 2, bv 16 or 32; got bv %d ks %d", bv,
+                           ks);
         if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, blocks, V, sms, smem_sm, stream);
-        if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
-        return fq_bwd_state_launch_cfg<K, 4, 2>(a, blocks, V, sms, smem_sm, stream);
+        return fq_bwd_state_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
+    } else {
+        if (ks == 2) {
+            if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, blocks, V, sms, smem_sm, stream);
+            if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
+            return fq_bwd_state_launch_cfg<K, 4, 2>(a, blocks, V, sms, smem_sm, stream);
+        }
+        if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 1>(a, blocks, V, sms, smem_sm, stream);
+        if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 1>(a, blocks, V, sms, smem_sm, stream);
+        return fq_bwd_state_launch_cfg<K, 4, 1>(a, blocks, V, sms, smem_sm, stream);
     }
-    if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 1>(a, blocks, V, sms, smem_sm, stream);
-    if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 1>(a, blocks, V, sms, smem_sm, stream);
-    return fq_bwd_state_launch_cfg<K, 4, 1>(a, blocks, V, sms, smem_sm, stream);
 }
 
 /* bv: state columns per block (16, 32, 64), ks: K-split (1, 2); both 0: the
@@ -347,8 +362,9 @@ fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int 
         }
         bv = env_bv;
         ks = env_ks;
+        if (p->K == 256 && (ks == 1 || bv == 64)) bv = ks = 0; /* not built at K = 256: the pick below */
     }
-    if (ks == 0) ks = groups <= 2 * (int64_t)sms ? 2 : 1;
+    if (ks == 0) ks = p->K == 256 || groups <= 2 * (int64_t)sms ? 2 : 1; /* K = 256: always 2 */
     if (bv == 0) {
         if (ks == 2) bv = groups <= sms ? 16 : 32;
         else bv = groups <= 2 * (int64_t)sms ? 32 : 64;
@@ -358,5 +374,6 @@ fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int 
     const int64_t blocks = p->N * p->HV * (V / bv);
     if (p->K == 128) return fq_bwd_state_launch_k<128>(a, blocks, V, sms, smem_sm, bv, ks, stream);
     if (p->K == 64) return fq_bwd_state_launch_k<64>(a, blocks, V, sms, smem_sm, bv, ks, stream);
-    return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld", (long long)p->K);
+    if (p->K == 256 && V == 256) return fq_bwd_state_launch_k<256>(a, blocks, V, sms, smem_sm, bv, ks, stream);
+    return fq_cuda_head_dims_unsupported(p);
 }

@@ -67,11 +67,17 @@ static inline fq_status fq_cuda_check_workspace(const fq_gdn_params *p, size_t n
  * this is only reached by a caller that skipped that check. */
 static inline fq_status fq_cuda_head_dims_unsupported(const fq_gdn_params *p)
 {
-    return fq_fail(FQ_ERR_VALUE, "k, v: the CUDA backend supports K, V in {64, 128}, got K=%lld V=%lld",
+    return fq_fail(FQ_ERR_VALUE, "k, v: this CUDA kernel supports K, V in {64, 128}, got K=%lld V=%lld",
                    (long long)p->K, (long long)p->V);
 }
 
 #define FQ_CHUNK 64 /* chunk size C */
+
+/* The H100 / H200 opt-in shared memory per block (227 KB): the budget the
+ * chunk kernels at K = V = 256 are laid out for (the forward's stage B ring
+ * depth, stage C's 199 KB; the backward's 172-199 KB); fq_cuda_check_k256_smem
+ * refuses K = 256 on a GPU that offers less. */
+#define FQ_SMEM_OPTIN_H100 (227 * 1024)
 
 typedef __nv_bfloat16 fq_bf16;
 
@@ -427,7 +433,8 @@ size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws
 #endif
 int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* 1 when the fused forward runs for p on the current device: an sm_90 GPU
- * running this module's sm_90a code, K and V in {64, 128}. */
+ * running this module's sm_90a code, K and V in {64, 128} (never K = 256:
+ * the three-stage forward runs it). */
 int fq_cuda_fwd_fused_available(const fq_gdn_params *p);
 /* Stage A of the fused forward: gamma, A = (I+L)^-1 (as A diag(beta), bf16,
  * into ws->a) and the gate record ws->rec per (chunk, value head). */
@@ -435,8 +442,12 @@ fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaS
 /* The fused state pass and outputs: o and, if non-NULL, ht. */
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 
-/* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}; dtype not
- * F64). Returns FQ_OK or a failure with the message set. */
+/* FQ_OK unless K = 256 and the current device offers less than
+ * FQ_SMEM_OPTIN_H100 of shared memory per block (a ValueError naming k). */
+fq_status fq_cuda_check_k256_smem(const fq_gdn_params *p);
+
+/* Shape/dtype rules of the CUDA chunk kernels (K, V in {64, 128}, or K = V
+ * = 256; dtype not F64). Returns FQ_OK or a failure with the message set. */
 fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
 
 /* The stages; each launches on `stream` (device already set), checks its

@@ -180,14 +180,21 @@ extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
     if (p->state_dtype != FQ_F32)
         return fq_fail(FQ_ERR_TYPE, "initial_state: the CUDA backend keeps states in float32, got %s",
                        fq_dtype_name(p->state_dtype));
-    if (p->K != 64 && p->K != 128)
+    /* K, V in {64, 128} in any pair, or K = V = 256 (issue 7 item 4; the
+     * chunked forward runs its three stages there: fq_cuda_fwd_fused_available
+     * says no) */
+    if (p->K != 64 && p->K != 128 && p->K != 256)
         return fq_fail(FQ_ERR_VALUE,
-                       "k: the CUDA backend supports head dims K in {64, 128}, got K=%lld",
+                       "k: the CUDA backend supports head dims K in {64, 128} (and K = V = 256), got K=%lld",
                        (long long)p->K);
-    if (p->V != 64 && p->V != 128)
+    if (p->V != 64 && p->V != 128 && p->V != 256)
         return fq_fail(FQ_ERR_VALUE,
-                       "v: the CUDA backend supports head dims V in {64, 128}, got V=%lld",
+                       "v: the CUDA backend supports head dims V in {64, 128} (and K = V = 256), got V=%lld",
                        (long long)p->V);
+    if ((p->K == 256) != (p->V == 256))
+        return fq_fail(FQ_ERR_VALUE,
+                       "%s: the CUDA backend takes head dim 256 only as K = V = 256, got K=%lld V=%lld",
+                       p->K == 256 ? "v" : "k", (long long)p->K, (long long)p->V);
     if (p->B * p->T >= ((int64_t)1 << 30) || p->N >= ((int64_t)1 << 30))
         return fq_fail(FQ_ERR_VALUE, "q: too many tokens for the CUDA backend (B*T=%lld)",
                        (long long)(p->B * p->T));
@@ -411,9 +418,29 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     return fq_cuda_fwd_poison(p, &ws, stream);
 }
 
+/* K = V = 256 runs chunk kernels laid out for Hopper's 227 KB of shared
+ * memory per block (the forward's stage C alone takes 199 KB, the
+ * backward's bwd_state 199 KB): a clear error elsewhere instead of a failed
+ * launch. FQ_OK for other head dims. On the current device. */
+extern "C" fq_status fq_cuda_check_k256_smem(const fq_gdn_params *p)
+{
+    if (p->K != 256) return FQ_OK;
+    int dev = 0, optin = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (optin < FQ_SMEM_OPTIN_H100)
+        return fq_fail(FQ_ERR_VALUE,
+                       "k: the CUDA chunked forward and backward at K = V = 256 need %d bytes of shared "
+                       "memory per block (H100 / H200); this GPU offers %d",
+                       FQ_SMEM_OPTIN_H100, optin);
+    return FQ_OK;
+}
+
 static fq_status fq_chunk_fwd_on_device(const fq_gdn_params *caller)
 {
     cudaStream_t stream = (cudaStream_t)caller->stream;
+    fq_status sk = fq_cuda_check_k256_smem(caller);
+    if (sk != FQ_OK) return sk;
     /* [serving] fused gates: float32 g, beta pre-passed into the gate region
      * at the workspace's start; p is the call as the stages see it */
     fq_gdn_params pg;

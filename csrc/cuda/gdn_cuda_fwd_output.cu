@@ -11,7 +11,11 @@
  * second product.
  *
  * 8 warps: warp w computes rows 16 (w % 4).. and the V/2 columns of half
- * w / 4, recomputing its rows of P. Q, K arrive in a first cp.async group
+ * w / 4, recomputing its rows of P. At K = V = 256, 16 warps: V/4 = 64
+ * columns of quarter w / 4 each (O in 32 registers as at V = 128; each
+ * column group recomputes P: 3 extra masked Q K^T, about a quarter more
+ * tensor-core work than Q S + P Vn alone), one block per SM by
+ * shared memory (Q, K 33 KB each, h 132 KB: 199 KB). Q, K arrive in a first cp.async group
  * and h in a second, so that P is computed while h is still in flight; Vn
  * goes into K's place once P is in registers, while Q h is computed. The
  * superseded versions (4 warps; Vn beside K, 2 blocks per SM) are in git
@@ -33,7 +37,8 @@ struct fq_output_args {
 };
 
 /* Q, K (later Vn in K's place), h: 70 KB at K = V = 128, 3 blocks of 8 warps
- * per SM (80 registers). */
+ * per SM (80 registers); 199 KB at K = V = 256, 1 block of 16 warps. NCG:
+ * column groups (warps per output row block), NTH = 128 NCG threads. */
 template <int K, int V> struct fq_output_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
     static constexpr int tile_k = 64 * LDK * 2, tile_v = 64 * LDV * 2;
@@ -43,13 +48,16 @@ template <int K, int V> struct fq_output_smem {
     static constexpr int off_v = off_k;
     static constexpr int off_vec = off_h + K * LDV * 2;
     static constexpr int bytes = off_vec + 3 * 64 * 4;
+    static constexpr int NCG = V > 128 ? 4 : 2, NTH = 128 * NCG;
+    static constexpr int per_sm = V > 128 ? 1 : 3; /* blocks per SM (shared memory) */
 };
 
 template <int K, int V>
-__global__ void __launch_bounds__(256, 3) fq_fwd_output_kernel(fq_output_args args)
+__global__ void __launch_bounds__(fq_output_smem<K, V>::NTH, fq_output_smem<K, V>::per_sm)
+fq_fwd_output_kernel(fq_output_args args)
 {
-    constexpr int NTH = 256, VW = V / 2; /* threads; output columns per warp */
     typedef fq_output_smem<K, V> SM;
+    constexpr int NTH = SM::NTH, VW = V / SM::NCG; /* threads; output columns per warp */
     constexpr int LDK = SM::LDK, LDV = SM::LDV;
     extern __shared__ __align__(16) unsigned char smem[];
     fq_bf16 *Qs = (fq_bf16 *)(smem + SM::off_q);
@@ -68,7 +76,7 @@ __global__ void __launch_bounds__(256, 3) fq_fwd_output_kernel(fq_output_args ar
     const int hq = j / (HV / args.H);
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3;
     const int gq = lane >> 2, tq = lane & 3;
-    const int c0 = (tid >> 7) * VW; /* this warp's first output column */
+    const int c0 = (tid >> 7) * VW; /* this warp's first output column (column group tid / 128) */
     const int64_t tile = (int64_t)blockIdx.x * 64;
 
     for (int idx = tid; idx < 64 * (K / 8); idx += NTH) {
@@ -216,8 +224,8 @@ static fq_status fq_launch_output(const fq_output_args &args, int64_t blocks, cu
     int bytes = fq_output_smem<K, V>::bytes;
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_output_kernel<K, V>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_output_kernel<K, V>, (unsigned)blocks, 256, bytes, stream, fq_cuda_pdl_enabled(),
-                       args);
+    return fq_launch_k(fq_fwd_output_kernel<K, V>, (unsigned)blocks, fq_output_smem<K, V>::NTH, bytes, stream,
+                       fq_cuda_pdl_enabled(), args);
 }
 
 /* Stage C. */
@@ -244,5 +252,6 @@ extern "C" fq_status fq_cuda_fwd_output(const fq_gdn_params *p, const fq_fwd_ws 
     if (p->K == 128 && p->V == 64) return fq_launch_output<128, 64>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_output<64, 128>(args, blocks, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_output<64, 64>(args, blocks, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_output<256, 256>(args, blocks, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }

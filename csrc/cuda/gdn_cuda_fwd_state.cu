@@ -307,13 +307,21 @@ static fq_status fq_launch_state_ns(const fq_state_args &args, int64_t blocks, i
                        fq_cuda_pdl_enabled(), args, V);
 }
 
-/* One block per SM or fewer: 4-deep ring (150-210 KB); more: 2-deep, two
- * blocks per SM. */
+/* One block per SM or fewer: 4-deep ring (150-210 KB at K <= 128); at
+ * K = 256 a ring stage is 70-76 KB (W, K tiles 33 KB each), so the deepest
+ * ring that fits: 3-deep at bv16 (217 KB), else 2-deep (147-183 KB). More
+ * blocks than SMs: 2-deep, two blocks per SM at K <= 128 (one at K = 256). */
 template <int K, int NW, int KS>
 static fq_status fq_launch_state(const fq_state_args &args, int64_t blocks, int V, int sms,
                                   cudaStream_t stream)
 {
-    if (blocks <= sms) return fq_launch_state_ns<K, NW, 4, KS>(args, blocks, V, stream);
+    if (blocks <= sms) {
+        if constexpr (fq_fwd_state_smem<K, NW, 4, KS>::bytes <= FQ_SMEM_OPTIN_H100)
+            return fq_launch_state_ns<K, NW, 4, KS>(args, blocks, V, stream);
+        else if constexpr (fq_fwd_state_smem<K, NW, 3, KS>::bytes <= FQ_SMEM_OPTIN_H100)
+            return fq_launch_state_ns<K, NW, 3, KS>(args, blocks, V, stream);
+    }
+    static_assert(fq_fwd_state_smem<K, NW, 2, KS>::bytes <= FQ_SMEM_OPTIN_H100, "2-deep ring must fit");
     return fq_launch_state_ns<K, NW, 2, KS>(args, blocks, V, stream);
 }
 
@@ -321,14 +329,23 @@ template <int K>
 static fq_status fq_launch_state_k(const fq_state_args &args, int64_t blocks, int V, int sms, int bv, int ks,
                                     cudaStream_t stream)
 {
+    if constexpr (K == 256) {
+        /* K = 256: only the K-split over a warp pair is built (64 fp32 state
+         * registers per lane, as K = 128 unsplit); ks 1 would hold 128 */
+        if (ks != 2)
+            return fq_fail(FQ_ERR_INTERNAL, "fq_cuda_fwd_state_tiled: K = 256 runs ksplit 2 only, got %d", ks);
+    }
     if (ks == 2) {
         if (bv == 16) return fq_launch_state<K, 1, 2>(args, blocks, V, sms, stream);
         if (bv == 32) return fq_launch_state<K, 2, 2>(args, blocks, V, sms, stream);
         return fq_launch_state<K, 4, 2>(args, blocks, V, sms, stream);
     }
-    if (bv == 16) return fq_launch_state<K, 1, 1>(args, blocks, V, sms, stream);
-    if (bv == 32) return fq_launch_state<K, 2, 1>(args, blocks, V, sms, stream);
-    return fq_launch_state<K, 4, 1>(args, blocks, V, sms, stream);
+    if constexpr (K != 256) {
+        if (bv == 16) return fq_launch_state<K, 1, 1>(args, blocks, V, sms, stream);
+        if (bv == 32) return fq_launch_state<K, 2, 1>(args, blocks, V, sms, stream);
+        return fq_launch_state<K, 4, 1>(args, blocks, V, sms, stream);
+    }
+    return FQ_OK; /* not reached (K = 256 returned above) */
 }
 
 extern "C" fq_status fq_cuda_fwd_state_tiled(const fq_gdn_params *p, const fq_fwd_ws *ws, float *ht, int bv,
@@ -343,7 +360,7 @@ extern "C" fq_status fq_cuda_fwd_state_tiled(const fq_gdn_params *p, const fq_fw
     const int64_t groups = p->N * p->HV * (V / 16);
     /* K-split while every warp of it still gets an SM sub-partition of its
      * own (2 * groups <= 4 * SMs) */
-    if (ksplit == 0) ksplit = groups <= 2 * (int64_t)sms ? 2 : 1;
+    if (ksplit == 0) ksplit = p->K == 256 || groups <= 2 * (int64_t)sms ? 2 : 1; /* K = 256: always 2 */
     if (bv == 0) {
         /* few chains: each warp (pair) alone on an SM sub-partition, blocks
          * spread over the SMs; many: 4 warps per block */
@@ -381,8 +398,8 @@ extern "C" fq_status fq_cuda_fwd_state_tiled(const fq_gdn_params *p, const fq_fw
     int64_t blocks = p->N * p->HV * (V / bv);
     if (p->K == 128) return fq_launch_state_k<128>(args, blocks, V, sms, bv, ksplit, stream);
     if (p->K == 64) return fq_launch_state_k<64>(args, blocks, V, sms, bv, ksplit, stream);
-    return fq_fail(FQ_ERR_VALUE, "k: the CUDA backend supports K in {64, 128}, got K=%lld",
-                   (long long)p->K);
+    if (p->K == 256 && V == 256) return fq_launch_state_k<256>(args, blocks, V, sms, bv, ksplit, stream);
+    return fq_cuda_head_dims_unsupported(p);
 }
 
 /* Stage B (bv = 0: columns per block and K-split picked as above). */

@@ -106,17 +106,21 @@ struct fq_wy_args {
 /* K, L, A tiles; V is loaded only once L is dead, into L's place (64 x LDV
  * bf16 <= 64 x FQ_WY_LDF fp32 for V <= 128), while W is computed: 54 KB at
  * K = V = 128, 4 blocks per SM (the first layout kept V beside L: 72 KB, 3
- * blocks; benchmarks/NOTES.md, "lean stage A"). */
+ * blocks; benchmarks/NOTES.md, "lean stage A"). At V = 256 the V tile
+ * (33 KB) is larger than L's place (18 KB): it gets its own region after
+ * the others, 105.5 KB at K = V = 256, 2 blocks per SM. */
 template <int K, int V> struct fq_wy_blocked_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
+    static constexpr int lbytes = 64 * FQ_WY_LDF * 4;          /* L, A: 64 x 72 fp32 */
+    static constexpr bool v_in_l = 64 * LDV * 2 <= lbytes;     /* V <= 136 */
     static constexpr int off_k = 0;
     static constexpr int off_l = off_k + 64 * LDK * 2;
-    static constexpr int off_v = off_l;
-    static constexpr int off_a = off_l + 64 * FQ_WY_LDF * 4;
-    static constexpr int off_vec = off_a + 64 * FQ_WY_LDF * 4;
+    static constexpr int off_a = off_l + lbytes;
+    static constexpr int off_vec = off_a + lbytes;
     static constexpr int off_f = off_vec + 4 * 64 * 4; /* fl, fv (causality, the header) */
-    static constexpr int bytes = off_f + 16;
-    static_assert(64 * LDV * 2 <= 64 * FQ_WY_LDF * 4, "V tile must fit in L's place");
+    static constexpr int off_v = v_in_l ? off_l : off_f + 16;
+    static constexpr int bytes = v_in_l ? off_f + 16 : off_v + 64 * LDV * 2;
+    static_assert(off_v % 16 == 0, "cp.async destinations are 16-byte aligned");
 };
 
 /* acc[0..7] += (X Y)[r][cb..cb+7] for 16x16 fp32 blocks X, Y in shared memory
@@ -434,8 +438,10 @@ static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64
     }
 }
 
+/* 4 blocks per SM by shared memory, 2 at K = V = 256 (up to 255 registers:
+ * at 128 its K K^T and W products spilled) */
 template <int K, int V>
-__global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args args)
+__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? 2 : 4) fq_fwd_wy_blocked_kernel(fq_wy_args args)
 {
     typedef fq_wy_blocked_smem<K, V> SM;
     constexpr int LDF = FQ_WY_LDF;
@@ -522,8 +528,8 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_wy_blocked_kernel(fq_wy_args ar
     __syncthreads();
 
     /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4..
-     * (L is dead after the barrier above; V lands in its place while W is
-     * computed) */
+     * (L is dead after the barrier above; V lands in its place, at V = 256
+     * in a region of its own, while W is computed) */
     const int64_t tile = (int64_t)blockIdx.x * 64; /* (chunk * HV + j) * 64 */
     const int fl = sf[0];
     if (fl < 64) { /* causality, rare: K rows, fw from fl on */
@@ -590,6 +596,7 @@ extern "C" fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd
     if (p->K == 128 && p->V == 64) return fq_launch_wy_blocked<128, 64>(args, blocks, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy_blocked<64, 128>(args, blocks, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy_blocked<64, 64>(args, blocks, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_blocked<256, 256>(args, blocks, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }
 
@@ -675,8 +682,11 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
     return ci;
 }
 
+/* 2 blocks per SM by shared memory (K = V = 128: 106 KB); 1 at K = V = 256
+ * (172 KB: four 33 KB tiles), up to 255 registers */
 template <int K, int V>
-__global__ void __launch_bounds__(128, 2) fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
+__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? 1 : 2)
+fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
 {
     typedef fq_wy_persistent_smem<K, V> SM;
     constexpr int LDF = FQ_WY_LDF;
@@ -834,6 +844,7 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
     if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64>(args, items, stream);
     if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128>(args, items, stream);
     if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64>(args, items, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256>(args, items, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
 }
 
@@ -1021,6 +1032,57 @@ static __device__ __forceinline__ void fq_inv_gate_scan(const fq_inv_raw &x, fq_
     }
 }
 
+/* L's block row W (warp W's, in mma accumulators l[n], n8 block n; l holds
+ * K K^T's block row on entry) in its common case: every entry c <= r
+ * finite. The same arithmetic as fq_inv_item's general form (the same bits),
+ * with which entries enter L known at compile time outside the diagonal 16 x 16
+ * block and no causality bookkeeping: chk = sum of x * 0 over the entries
+ * c <= r stays exactly 0 when all are finite (a non-finite x makes it NaN).
+ * Returns that test; where it fails, the caller forms the row again by the
+ * general form (from kkt), which zeroes and reports the bad entries. */
+template <int W>
+static __device__ __forceinline__ int fq_inv_l_fast(float (*l)[4], const float *bet, const float *rkv, const float *gam,
+                                                    int gq, int tq)
+{
+    const float L2E = 1.4426950408889634f;
+    float fr[2], gr[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = 16 * W + gq + 8 * h;
+        fr[h] = bet[r] * rkv[r];
+        gr[h] = gam[r] * L2E;
+    }
+    float chk = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2 * W + 2; n++) { /* (blocks above the row's diagonal stay zero) */
+        const int c0 = 8 * n + 2 * tq;
+        const float k0 = rkv[c0], k1 = rkv[c0 + 1], g0 = gam[c0] * L2E, g1 = gam[c0 + 1] * L2E;
+        const bool diag = (n >> 1) == W;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, odd = e & 1;
+            if (diag && (n & 1) && h == 0) { /* columns 16 W + 8.., rows 16 W + gq: above the diagonal */
+                l[n][e] = 0.f;
+                continue;
+            }
+            const float x = fr[h] * (odd ? k1 : k0) * exp2f(gr[h] - (odd ? g1 : g0)) * l[n][e];
+            if (!diag || !(n & 1)) {
+                if (!diag || h == 1) { /* below the diagonal 8 x 8 blocks: c < r */
+                    chk = fmaf(x, 0.f, chk);
+                    l[n][e] = x;
+                    continue;
+                }
+            }
+            /* the diagonal 8 x 8 blocks (n even, h = 0; n odd, h = 1): column 2 tq + odd
+             * against row gq of the block */
+            const int cc = 2 * tq + odd;
+            chk = cc <= gq ? fmaf(x, 0.f, chk) : chk;
+            l[n][e] = cc < gq ? x : 0.f;
+        }
+    }
+    return chk == 0.f;
+}
+
 /* One item (chunk, value head j): the warp's block row of K K^T (kkt, this
  * warp's fragments), gate vectors and A (its blocks above the diagonal zero)
  * in shared memory, 128 threads.
@@ -1041,7 +1103,22 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         const float4 x = kkt[32 * n + lane];
         l[n][0] = x.x, l[n][1] = x.y, l[n][2] = x.z, l[n][3] = x.w;
     }
-    {
+    int fast;
+    switch (warp) {
+    case 0: fast = fq_inv_l_fast<0>(l, bet, rkv, gam, gq, tq); break;
+    case 1: fast = fq_inv_l_fast<1>(l, bet, rkv, gam, gq, tq); break;
+    case 2: fast = fq_inv_l_fast<2>(l, bet, rkv, gam, gq, tq); break;
+    default: fast = fq_inv_l_fast<3>(l, bet, rkv, gam, gq, tq); break;
+    }
+    if (__all_sync(0xffffffffu, fast)) {
+        if (lane == 0) ((uint32_t *)((unsigned char *)Ld + (SM::off_bad - SM::off_d)))[warp] = 0u; /* no bad row */
+    } else {
+        /* the general form, from K K^T again */
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const float4 x = kkt[32 * n + lane];
+            l[n][0] = x.x, l[n][1] = x.y, l[n][2] = x.z, l[n][3] = x.w;
+        }
         /* the row factors beta_r rk_r and gamma_r of this thread's rows, then
          * column block by column block (blocks above warp w's are all zero;
          * only the diagonal one needs the c < r mask).
@@ -1084,8 +1161,16 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         }
     }
 
-    /* D_w = (I + L_ww)^-1: lane c < 16 solves column c,
-     * D[i][c] = delta_ic - sum_{j<i} L[i][j] D[j][c] */
+    /* D_w = (I + L_ww)^-1 by its 8 x 8 blocks: D_w = [[D0, 0], [X, D1]] with
+     * D_b = (I + L_bb)^-1 (L_bb: the diagonal 8 x 8 blocks of L_ww) and
+     * X = -D1 (L_10 D0). Step 1, lanes 8 b + c (c < 8): column c of D_b,
+     *   D_b[i][c] = delta_ic - sum_{j<i} L_bb[i][j] D_b[j][c];
+     * step 2, all lanes, column c = lane % 8, rows i = lane / 8 and + 4:
+     *   Y[i][c] = sum_j L_10[i][j] D0[j][c],  X[i][c] = -sum_k D1[i][k] Y[k][c]
+     * (the zeros of D0, D1 above their diagonals are exact, so the sums run
+     * over all 8 terms). L_ww in fp32 at Lw, D0 / D1 and Y in fp32 in the
+     * warp's scratch tile (free until level 1 below); D_w in bf16 into A (its
+     * upper right 8 x 8 block is never written: zero from the start). */
     float *Lw = Ld + warp * 16 * SM::LDD;
     {
         float lw[2][4];
@@ -1100,21 +1185,51 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             }
     }
     __syncwarp();
-    if (lane < 16) {
-        const int c = lane;
-        float x[16];
+    {
+        float *Dw = (float *)(Xs + warp * 16 * SM::LDX); /* [16][16] D0, D1; then Y [8][8] at 256 */
+        static_assert(16 * SM::LDX * 2 >= (256 + 64) * 4, "D_w's blocks and Y fit the warp's scratch");
+        fq_bf16 *Aw = Ab + 16 * warp * SM::LDA + 16 * warp;
+        const int c = lane & 7;
+        if (lane < 16) {
+            const int b8 = 8 * (lane >> 3);
+            float x[8];
 #pragma unroll
-        for (int i = 0; i < 16; i++) {
-            float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f;
+            for (int i = 0; i < 8; i++) {
+                float s0 = (i == c) ? 1.f : 0.f, s1 = 0.f;
 #pragma unroll
-            for (int jb = 0; jb < i; jb++) {
-                if (jb & 1) s1 -= Lw[i * SM::LDD + jb] * x[jb];
-                else s0 -= Lw[i * SM::LDD + jb] * x[jb];
+                for (int j = 0; j < i; j++) {
+                    if (j & 1) s1 -= Lw[(b8 + i) * SM::LDD + b8 + j] * x[j];
+                    else s0 -= Lw[(b8 + i) * SM::LDD + b8 + j] * x[j];
+                }
+                x[i] = s0 + s1;
             }
-            x[i] = s0 + s1;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                Dw[(b8 + i) * 16 + b8 + c] = x[i];
+                Aw[(b8 + i) * SM::LDA + b8 + c] = __float2bfloat16_rn(x[i]);
+            }
+        }
+        __syncwarp();
+        const int i0 = lane >> 3;
+        float y[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float d = Dw[j * 16 + c];
+#pragma unroll
+            for (int q = 0; q < 2; q++) y[q] += Lw[(8 + i0 + 4 * q) * SM::LDD + j] * d;
         }
 #pragma unroll
-        for (int i = 0; i < 16; i++) Ab[(16 * warp + i) * SM::LDA + 16 * warp + c] = __float2bfloat16_rn(x[i]);
+        for (int q = 0; q < 2; q++) Dw[256 + (i0 + 4 * q) * 8 + c] = y[q];
+        __syncwarp();
+        float xo[2] = {0.f, 0.f};
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float yk = Dw[256 + k * 8 + c];
+#pragma unroll
+            for (int q = 0; q < 2; q++) xo[q] -= Dw[(8 + i0 + 4 * q) * 16 + 8 + k] * yk;
+        }
+#pragma unroll
+        for (int q = 0; q < 2; q++) Aw[(8 + i0 + 4 * q) * SM::LDA + c] = __float2bfloat16_rn(xo[q]);
     }
     __syncthreads();
 
@@ -1200,11 +1315,21 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             const int r = 16 * kk + 8 * (q >> 4) + (q & 7), c = 16 * kk + 8 * ((q >> 3) & 1);
             uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
             uint32_t *px = (uint32_t *)&x;
+            const float4 b0 = *(const float4 *)(bet + c), b1 = *(const float4 *)(bet + c + 4);
+            const float bc[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            if (f == 64) { /* (block-uniform: no bad row, the common case) */
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 y = fq_unpack_bf16(px[e]);
-                px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bet[c + 2 * e] : 0.f,
-                                     c + 2 * e + 1 < f ? y.y * bet[c + 2 * e + 1] : 0.f);
+                for (int e = 0; e < 4; e++) {
+                    const float2 y = fq_unpack_bf16(px[e]);
+                    px[e] = fq_pack_bf16(y.x * bc[2 * e], y.y * bc[2 * e + 1]);
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 y = fq_unpack_bf16(px[e]);
+                    px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bc[2 * e] : 0.f,
+                                         c + 2 * e + 1 < f ? y.y * bc[2 * e + 1] : 0.f);
+                }
             }
             *(uint4 *)(ag + 8 * p) = x;
         }

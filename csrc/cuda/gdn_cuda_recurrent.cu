@@ -337,9 +337,11 @@ static __device__ __forceinline__ int fq_rec_is_dup(const fq_rec_args &a, const 
  * flight is what bounds decode: 16 KB per block, prefetched one item ahead).
  * T = 1: 5 (96 registers, no spill; 34 KB of stages per block at bf16);
  * groups of 4 tokens: 4 (128 registers, no spill; 37 KB of stages at bf16,
- * 41 KB at fp32). */
+ * 41 KB at fp32). K = 256 (issue 7 item 4): the lane holds 16 float4 of
+ * state (64 registers) and 16 + 16 of q, k; 2 blocks (stages of 66-83 KB
+ * per block, 32 KB of state each). */
 template <int K, int NPF, int ES, int VK>
-__global__ void __launch_bounds__(128, (NPF == 1 ? 5 : 4)) fq_recurrent_kernel(fq_rec_args a)
+__global__ void __launch_bounds__(128, (K > 128 ? 2 : (NPF == 1 ? 5 : 4))) fq_recurrent_kernel(fq_rec_args a)
 {
     typedef fq_rec_stage<K, NPF, ES> SG;
     constexpr int RK = K / 16;
@@ -645,7 +647,7 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     const int sms = fq_rec_sm_count(dev);
     /* blocks of 4 warps (32 columns: [K, V] rows read 128 bytes at a time)
      * unless that leaves SMs without a block (N = 1, HV = 32: 256 blocks of
-     * 2 warps); V / 8 is 8 or 16, so items is a multiple of every choice */
+     * 2 warps); V / 8 is 8, 16 or 32, so items is a multiple of every choice */
     int nw = 4;
     while (nw > 1 && items / nw < (int64_t)sms) nw /= 2;
     /* T = 1 (without cu_seqlens, the decode step): one token per stage;
@@ -653,6 +655,8 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     const int one = !p->cu_seqlens && p->T <= 1;
     if (p->K == 128) return one ? fq_rec_launch_dt<128, 1>(a, items, nw, dev, sms, stream)
                                 : fq_rec_launch_dt<128, 4>(a, items, nw, dev, sms, stream);
+    if (p->K == 256) return one ? fq_rec_launch_dt<256, 1>(a, items, nw, dev, sms, stream) /* issue 7 item 4 */
+                                : fq_rec_launch_dt<256, 4>(a, items, nw, dev, sms, stream);
     return one ? fq_rec_launch_dt<64, 1>(a, items, nw, dev, sms, stream)
                : fq_rec_launch_dt<64, 4>(a, items, nw, dev, sms, stream);
 }

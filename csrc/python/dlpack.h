@@ -2,8 +2,9 @@
  * dlpack.h — the DLPack data structures flashqla exchanges with PyTorch, JAX,
  * CuPy and NumPy, written for this project from the DLPack specification
  * (https://dmlc.github.io/dlpack/latest/c_api.html, ABI version 1). Only what
- * the binding needs: devices, dtypes, the tensor, and both managed forms
- * (legacy DLManagedTensor and DLManagedTensorVersioned).
+ * the binding needs: devices, dtypes, the tensor, both managed forms
+ * (legacy DLManagedTensor and DLManagedTensorVersioned) and the C exchange
+ * API table of DLPack 1.3.
  *
  * ABI notes that matter:
  *  - DLDevice.device_type is a 32-bit enum value; DLDataType is 4 bytes
@@ -116,6 +117,36 @@ typedef struct DLManagedTensorVersioned {
     uint64_t flags;          /* DLPACK_FLAG_BITMASK_* */
     DLTensor dl_tensor;
 } DLManagedTensorVersioned;
+
+/* The DLPack C exchange API (DLPack 1.3): a producer's array type carries
+ * `__dlpack_c_exchange_api__`, a capsule named "dlpack_exchange_api" holding a
+ * pointer to this table (static in the producer, alive for the process), so a
+ * C consumer can take an array and the producer's current stream without a
+ * Python call. Only the members flashqla calls are typed; the others are kept
+ * as opaque pointers so the layout matches. `version.major` must be 1;
+ * `prev_api` chains older tables. */
+#define DLPACK_EXCHANGE_API_ATTR "__dlpack_c_exchange_api__"
+#define DLPACK_EXCHANGE_API_CAPSULE_NAME "dlpack_exchange_api"
+
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+typedef struct {
+    DLPackExchangeAPIHeader header;
+    void *managed_tensor_allocator;
+    /* an owning DLManagedTensorVersioned (flags included; the consumer calls
+     * its deleter), no stream synchronisation; -1 with a Python exception set */
+    int (*managed_tensor_from_py_object_no_sync)(void *py_object, DLManagedTensorVersioned **out);
+    void *managed_tensor_to_py_object_no_sync;
+    /* a non-owning DLTensor filled in place (shape, strides and data stay the
+     * producer's, valid while the object lives and control has not returned);
+     * may be NULL; -1 with a Python exception set */
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
+    /* the producer's current work stream on that device (NULL for the CPU) */
+    int (*current_work_stream)(DLDeviceType device_type, int32_t device_id, void **out_stream);
+} DLPackExchangeAPI;
 
 #ifdef __cplusplus
 }

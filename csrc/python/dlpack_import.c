@@ -116,6 +116,122 @@ static int fq_array_take_capsule(fq_array *a, PyObject *capsule, const char *nam
     return 0;
 }
 
+/* ------------------------------------- the C exchange API (DLPack 1.3) ---- */
+
+/* Array types seen in exchange mode and their exchange table (NULL: none), so
+ * the attribute is looked up once per type, as the specification allows (a
+ * producer's table is static, alive for the process). The cache holds a
+ * reference to each type; a type past the last entry is looked up each call. */
+#define FQ_XAPI_TYPES 8
+static struct {
+    PyTypeObject *type;
+    const DLPackExchangeAPI *api;
+} fq_xapi_cache[FQ_XAPI_TYPES];
+static int fq_xapi_count;
+
+/* The exchange table of `tp`, or NULL (no table, or not one of major version
+ * 1: an older one is taken from the chain); -1 only on an error other than
+ * a missing attribute. */
+static int fq_exchange_api(PyTypeObject *tp, const DLPackExchangeAPI **out)
+{
+    *out = NULL;
+    for (int i = 0; i < fq_xapi_count; i++)
+        if (fq_xapi_cache[i].type == tp) {
+            *out = fq_xapi_cache[i].api;
+            return 0;
+        }
+    PyObject *cap = PyObject_GetAttrString((PyObject *)tp, DLPACK_EXCHANGE_API_ATTR);
+    if (!cap) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+    } else {
+        if (PyCapsule_CheckExact(cap) && PyCapsule_IsValid(cap, DLPACK_EXCHANGE_API_CAPSULE_NAME)) {
+            const DLPackExchangeAPIHeader *h =
+                (const DLPackExchangeAPIHeader *)PyCapsule_GetPointer(cap, DLPACK_EXCHANGE_API_CAPSULE_NAME);
+            while (h && h->version.major > DLPACK_MAJOR_VERSION) h = h->prev_api;
+            const DLPackExchangeAPI *api = (const DLPackExchangeAPI *)h;
+            if (api && api->header.version.major == DLPACK_MAJOR_VERSION &&
+                api->managed_tensor_from_py_object_no_sync && api->current_work_stream)
+                *out = api;
+        }
+        PyErr_Clear(); /* a malformed attribute is no table: the __dlpack__ path */
+        Py_DECREF(cap);
+    }
+    if (fq_xapi_count < FQ_XAPI_TYPES) {
+        fq_xapi_cache[fq_xapi_count].type = (PyTypeObject *)Py_NewRef((PyObject *)tp);
+        fq_xapi_cache[fq_xapi_count].api = *out;
+        fq_xapi_count++;
+    }
+    return 0;
+}
+
+/* Takes `obj` through its type's exchange table: a non-owning DLTensor for an
+ * argument the core only reads (when the producer offers that export), else
+ * an owning versioned tensor (its read-only flag honoured, its deleter ours
+ * to call). The producer's failure is re-raised naming the argument. */
+static int fq_array_take_exchange(fq_array *a, PyObject *obj, const DLPackExchangeAPI *api,
+                                  const char *name, int writable)
+{
+    a->xapi = api;
+    if (!writable && api->dltensor_from_py_object_no_sync) {
+        if (api->dltensor_from_py_object_no_sync(obj, &a->local) != 0) {
+            fq_prefix_error(name, "DLPack C exchange API export failed");
+            return -1;
+        }
+        a->t = &a->local;
+        a->readonly = 0;
+    } else {
+        DLManagedTensorVersioned *m = NULL;
+        if (api->managed_tensor_from_py_object_no_sync(obj, &m) != 0 || !m) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: the DLPack C exchange API gave no tensor", name);
+            else
+                fq_prefix_error(name, "DLPack C exchange API export failed");
+            return -1;
+        }
+        a->versioned = m; /* from here fq_array_release calls its deleter */
+        if (m->version.major != DLPACK_MAJOR_VERSION) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: DLPack version %u.%u is not supported (flashqla reads major version %d)",
+                         name, (unsigned)m->version.major, (unsigned)m->version.minor,
+                         DLPACK_MAJOR_VERSION);
+            return -1;
+        }
+        a->t = &m->dl_tensor;
+        a->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    }
+    DLDeviceType dt = a->t->device.device_type;
+    if (dt != kDLCPU && dt != kDLCUDA) {
+        char dev[64];
+        PyErr_Format(PyExc_ValueError, "%s: arrays on %s are not supported (only CPU and CUDA)",
+                     name, fq_device_str(a->t->device, dev, sizeof dev));
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *fq_exchange_api_py(PyObject *self, PyObject *tp)
+{
+    const DLPackExchangeAPI *api = NULL;
+    (void)self;
+    if (!PyType_Check(tp))
+        return PyErr_Format(PyExc_TypeError, "exchange_api: expected a type, got %.200s", Py_TYPE(tp)->tp_name);
+    if (fq_exchange_api((PyTypeObject *)tp, &api) < 0) return NULL;
+    return PyBool_FromLong(api != NULL);
+}
+
+int fq_current_work_stream(const fq_array *a, void **stream)
+{
+    *stream = NULL;
+    if (!a->xapi || !a->t || a->t->device.device_type != kDLCUDA) return 0;
+    if (a->xapi->current_work_stream(kDLCUDA, a->t->device.device_id, stream) != 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "stream: the producer gave no current stream");
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *fq_dlpack_info(PyObject *self, PyObject *capsule)
 {
     const DLTensor *t = NULL;
@@ -146,13 +262,19 @@ PyObject *fq_dlpack_info(PyObject *self, PyObject *capsule)
 
 /* Imports one array argument. `cuda_stream` (borrowed) is passed as
  * __dlpack__(stream=...) to CUDA arrays only. */
-int fq_array_import(fq_array *a, PyObject *obj, const char *name, PyObject *cuda_stream)
+int fq_array_import(fq_array *a, PyObject *obj, const char *name, PyObject *cuda_stream,
+                    int exchange, int writable)
 {
     PyObject *dev = NULL, *method = NULL, *kwargs = NULL, *empty = NULL, *version = NULL;
     PyObject *capsule = NULL;
     int rc = -1;
 
     if (PyCapsule_CheckExact(obj)) return fq_array_take_capsule(a, obj, name);
+    if (exchange) {
+        const DLPackExchangeAPI *api = NULL;
+        if (fq_exchange_api(Py_TYPE(obj), &api) < 0) return -1;
+        if (api) return fq_array_take_exchange(a, obj, api, name, writable);
+    }
 
     if (!PyObject_HasAttrString(obj, "__dlpack__") ||
         !PyObject_HasAttrString(obj, "__dlpack_device__")) {

@@ -56,6 +56,106 @@ static int fq_parse_num_threads(PyObject *obj, int *out)
     return 0;
 }
 
+/* ======================================================= fast arguments == */
+
+/* The arguments of an op called with METH_FASTCALL | METH_KEYWORDS (the
+ * decode step's: no keyword dict built, no name strings made per call), as
+ * PyArg_ParseTupleAndKeywords would parse "O..O|$O..O", with its messages:
+ * the first `npos` names are required, positional or by keyword, the others
+ * keyword-only and optional. Names are matched by pointer against interned
+ * copies (made once by fq_fastargs_init, kept for the process: the names a
+ * Python call site passes are interned), then by text. */
+typedef struct {
+    const char *fname;
+    const char *const *names; /* n names, NULL-terminated */
+    int npos, n;
+    PyObject **interned;      /* n interned names, from fq_fastargs_init */
+} fq_fastargs;
+
+static int fq_fastargs_init(fq_fastargs *f)
+{
+    if (f->interned) return 0;
+    PyObject **in = PyMem_Calloc((size_t)f->n, sizeof *in);
+    if (!in) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < f->n; i++) {
+        in[i] = PyUnicode_InternFromString(f->names[i]);
+        if (!in[i]) {
+            for (int j = 0; j < i; j++) Py_DECREF(in[j]);
+            PyMem_Free(in);
+            return -1;
+        }
+    }
+    f->interned = in;
+    return 0;
+}
+
+/* out[i]: the object given for names[i] (borrowed), or NULL. */
+static int fq_fastargs_parse(const fq_fastargs *f, PyObject *const *args, Py_ssize_t nargsf,
+                             PyObject *kwnames, PyObject **out)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *unknown = NULL;
+    for (int i = 0; i < f->n; i++) out[i] = i < nargs ? args[i] : NULL;
+    if (nargs > f->npos) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional arguments (%zd given)", f->fname,
+                     f->npos, nargs);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j);
+        int i = 0;
+        while (i < f->n && key != f->interned[i]) i++;
+        if (i == f->n) {
+            if (!PyUnicode_Check(key)) {
+                PyErr_SetString(PyExc_TypeError, "keywords must be strings");
+                return -1;
+            }
+            i = 0;
+            while (i < f->n && PyUnicode_CompareWithASCIIString(key, f->names[i]) != 0) i++;
+        }
+        if (i == f->n) {
+            if (!unknown) unknown = key;
+            continue;
+        }
+        if (i < nargs) {
+            PyErr_Format(PyExc_TypeError, "argument for %s() given by name ('%s') and position (%d)",
+                         f->fname, f->names[i], i + 1);
+            return -1;
+        }
+        if (out[i]) { /* (a call from Python cannot repeat a keyword) */
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", f->fname,
+                         f->names[i]);
+            return -1;
+        }
+        out[i] = args[nargs + j];
+    }
+    for (int i = 0; i < f->npos; i++)
+        if (!out[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %d)", f->fname,
+                         f->names[i], i + 1);
+            return -1;
+        }
+    if (unknown) {
+        PyErr_Format(PyExc_TypeError, "'%U' is an invalid keyword argument for %s()", unknown, f->fname);
+        return -1;
+    }
+    return 0;
+}
+
+/* A "p" argument: absent keeps *out (the default), else its truth value. */
+static int fq_bool_arg(PyObject *obj, int *out)
+{
+    if (!obj) return 0;
+    int v = PyObject_IsTrue(obj);
+    if (v < 0) return -1;
+    *out = v;
+    return 0;
+}
+
 /* Runs op 'f', 'b', 'r' or 'c' on the call's device with the GIL released.
  * `ws` is the workspace slot (imported only for CUDA calls; NULL: the op
  * takes none). */
@@ -294,30 +394,41 @@ PyDoc_STRVAR(fq_recurrent_doc,
 "          cu_seqlens=None, use_qk_l2norm=False, intermediate_states=None,\n"
 "          update_state=True, state_layout=\"kv\", use_gate_in_kernel=False,\n"
 "          A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,\n"
-"          workspace=None, stream=None, num_threads=0) -> None\n\n"
+"          workspace=None, stream=None, num_threads=0, exchange_api=False) -> None\n\n"
 "Recurrent steps (decoding): updates the state pool [P,HV,K,V] in place and\n"
 "writes o. state_indices [N] picks each sequence's slot (< 0: padding).\n"
 "intermediate_states [N,Ti,HV,K,V] gets the state after each token;\n"
 "update_state=False leaves the pool untouched (speculative verify). On CUDA\n"
-"a workspace (flashqla._C.workspace_bytes) only with cu_seqlens.");
+"a workspace (flashqla._C.workspace_bytes) only with cu_seqlens.\n"
+"exchange_api=True: arrays whose type has __dlpack_c_exchange_api__ (DLPack\n"
+"1.3: PyTorch tensors) are taken through it, with no __dlpack__ call (none\n"
+"of its checks, no stream hand-over: the caller made them, as for a\n"
+"capsule), and with stream=None the call runs on q's producer's current\n"
+"stream.");
 
-static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
+static const char *const fq_recurrent_names[] = {
+    "q", "k", "v", "g", "beta", "state", "o", "scale", "state_indices", "cu_seqlens", "use_qk_l2norm",
+    "intermediate_states", "update_state", "state_layout", "use_gate_in_kernel", "A_log", "dt_bias",
+    "use_beta_sigmoid_in_kernel", "workspace", "stream", "num_threads", "exchange_api", NULL};
+static fq_fastargs fq_recurrent_args = {"recurrent", fq_recurrent_names, 7, 22, NULL};
+
+static PyObject *fq_recurrent(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *kwlist[] = {"q", "k", "v", "g", "beta", "state", "o", "scale", "state_indices",
-                             "cu_seqlens", "use_qk_l2norm", "intermediate_states", "update_state",
-                             "state_layout", "use_gate_in_kernel", "A_log", "dt_bias",
-                             "use_beta_sigmoid_in_kernel", "workspace", "stream", "num_threads", NULL};
-    PyObject *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *state = NULL, *o = NULL;
-    PyObject *scale_obj = NULL, *idx = NULL, *cu = NULL, *ws = NULL, *stream = NULL;
-    PyObject *inter = NULL, *layout = NULL, *alog = NULL, *dtb = NULL;
+    enum { A_Q, A_K, A_V, A_G, A_BETA, A_STATE, A_O, A_SCALE, A_IDX, A_CU, A_L2, A_INTER, A_UPDATE,
+           A_LAYOUT, A_GATE, A_ALOG, A_DTB, A_SIG, A_WS, A_STREAM, A_NT, A_EXCHANGE, A_N };
+    PyObject *a[A_N];
     PyObject *result = NULL;
-    PyObject *nt_obj = NULL;
-    int l2 = 0, num_threads = 0, update = 1, use_gate = 0, use_sig = 0;
+    int l2 = 0, num_threads = 0, update = 1, use_gate = 0, use_sig = 0, exchange = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|$OOOpOpOpOOpOOO:recurrent", kwlist, &q, &k, &v, &g,
-                                     &beta, &state, &o, &scale_obj, &idx, &cu, &l2, &inter, &update, &layout,
-                                     &use_gate, &alog, &dtb, &use_sig, &ws, &stream, &nt_obj))
+    if (fq_fastargs_parse(&fq_recurrent_args, args, nargsf, kwnames, a) < 0) return NULL;
+    if (fq_bool_arg(a[A_L2], &l2) < 0 || fq_bool_arg(a[A_UPDATE], &update) < 0 ||
+        fq_bool_arg(a[A_GATE], &use_gate) < 0 || fq_bool_arg(a[A_SIG], &use_sig) < 0 ||
+        fq_bool_arg(a[A_EXCHANGE], &exchange) < 0)
         return NULL;
+    PyObject *q = a[A_Q], *k = a[A_K], *v = a[A_V], *g = a[A_G], *beta = a[A_BETA], *state = a[A_STATE];
+    PyObject *o = a[A_O], *scale_obj = a[A_SCALE], *idx = a[A_IDX], *cu = a[A_CU], *ws = a[A_WS];
+    PyObject *stream = a[A_STREAM], *inter = a[A_INTER], *layout = a[A_LAYOUT], *alog = a[A_ALOG];
+    PyObject *dtb = a[A_DTB], *nt_obj = a[A_NT];
     enum { Q, K, V, G, BETA, O, SEQ, IDX, STATE, INTER, ALOG, DTB, WS, NSLOT };
     fq_slot slots[NSLOT] = {
         {"q", FQ_QK, 0, 1, q, {0}},         {"k", FQ_QK, 0, 1, k, {0}},
@@ -328,7 +439,7 @@ static PyObject *fq_recurrent(PyObject *self, PyObject *args, PyObject *kwds)
         {"A_log", FQ_PARAM, 0, 0, alog, {0}}, {"dt_bias", FQ_PARAM, 0, 0, dtb, {0}},
         {"workspace", FQ_WS, 1, 0, ws, {0}},
     };
-    fq_call c = {.slots = slots, .n = NSLOT};
+    fq_call c = {.slots = slots, .n = NSLOT, .exchange = exchange};
     fq_gdn_params p;
     double scale = 0.0;
     int scale_default = 0;
@@ -359,22 +470,28 @@ fail:
 
 PyDoc_STRVAR(fq_commit_doc,
 "commit(state, intermediate_states, num_accepted, *, state_indices=None,\n"
-"       state_layout=\"kv\", stream=None) -> None\n\n"
+"       state_layout=\"kv\", stream=None, exchange_api=False) -> None\n\n"
 "After a verify step: state[state_indices[n]] = intermediate_states[n,\n"
 "num_accepted[n] - 1] for every n with a slot >= 0 and num_accepted[n] > 0.\n"
 "state [P,HV,K,V]; intermediate_states [N,Ti,HV,K,V]; num_accepted,\n"
-"state_indices [N] int32/int64.");
+"state_indices [N] int32/int64. exchange_api as for recurrent (the stream\n"
+"then from state's producer).");
 
-static PyObject *fq_commit(PyObject *self, PyObject *args, PyObject *kwds)
+static const char *const fq_commit_names[] = {"state", "intermediate_states", "num_accepted", "state_indices",
+                                              "state_layout", "stream", "exchange_api", NULL};
+static fq_fastargs fq_commit_args = {"commit", fq_commit_names, 3, 7, NULL};
+
+static PyObject *fq_commit(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *kwlist[] = {"state", "intermediate_states", "num_accepted", "state_indices", "state_layout",
-                             "stream", NULL};
-    PyObject *state = NULL, *inter = NULL, *acc = NULL, *idx = NULL, *layout = NULL, *stream = NULL;
+    enum { A_STATE, A_INTER, A_ACC, A_IDX, A_LAYOUT, A_STREAM, A_EXCHANGE, A_N };
+    PyObject *a[A_N];
     PyObject *result = NULL;
+    int exchange = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|$OOO:commit", kwlist, &state, &inter, &acc, &idx, &layout,
-                                     &stream))
-        return NULL;
+    if (fq_fastargs_parse(&fq_commit_args, args, nargsf, kwnames, a) < 0) return NULL;
+    if (fq_bool_arg(a[A_EXCHANGE], &exchange) < 0) return NULL;
+    PyObject *state = a[A_STATE], *inter = a[A_INTER], *acc = a[A_ACC], *idx = a[A_IDX];
+    PyObject *layout = a[A_LAYOUT], *stream = a[A_STREAM];
     /* the pool first (it gives the device, HV, K, V), then the buffer (N, Ti) */
     enum { STATE, INTER, IDX, ACC, NSLOT };
     fq_slot slots[NSLOT] = {
@@ -383,7 +500,7 @@ static PyObject *fq_commit(PyObject *self, PyObject *args, PyObject *kwds)
         {"state_indices", FQ_IDX, 0, 0, idx, {0}},
         {"num_accepted", FQ_ACC, 0, 1, acc, {0}},
     };
-    fq_call c = {.slots = slots, .n = NSLOT};
+    fq_call c = {.slots = slots, .n = NSLOT, .exchange = exchange};
     c.dtype = FQ_F64; /* no q: float64 states are allowed (the CPU backend) */
     fq_gdn_params p;
     if (fq_parse_layout(layout, &c.vk) < 0) return NULL;
@@ -557,13 +674,16 @@ static PyObject *fq_xla_ffi_api_version(PyObject *self, PyObject *unused)
 static PyMethodDef fq_methods[] = {
     {"chunk_fwd", (PyCFunction)(void (*)(void))fq_chunk_fwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_fwd_doc},
     {"chunk_bwd", (PyCFunction)(void (*)(void))fq_chunk_bwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_bwd_doc},
-    {"recurrent", (PyCFunction)(void (*)(void))fq_recurrent, METH_VARARGS | METH_KEYWORDS, fq_recurrent_doc},
-    {"commit", (PyCFunction)(void (*)(void))fq_commit, METH_VARARGS | METH_KEYWORDS, fq_commit_doc},
+    {"recurrent", (PyCFunction)(void (*)(void))fq_recurrent, METH_FASTCALL | METH_KEYWORDS, fq_recurrent_doc},
+    {"commit", (PyCFunction)(void (*)(void))fq_commit, METH_FASTCALL | METH_KEYWORDS, fq_commit_doc},
     {"workspace_bytes", (PyCFunction)(void (*)(void))fq_workspace_bytes, METH_VARARGS | METH_KEYWORDS,
      fq_workspace_bytes_doc},
     {"dlpack_info", fq_dlpack_info, METH_O,
      "dlpack_info(capsule) -> (device_type, device_id, dtype): what an unused DLPack capsule\n"
      "holds, read without taking it"},
+    {"exchange_api", fq_exchange_api_py, METH_O,
+     "exchange_api(type) -> bool: arrays of that type carry a DLPack C exchange API (DLPack 1.3,\n"
+     "__dlpack_c_exchange_api__) that recurrent(..., exchange_api=True) takes them through"},
     {"cuda_built", fq_cuda_built_py, METH_NOARGS, "cuda_built() -> bool: was the CUDA backend compiled in"},
     {"cpu_isa", fq_cpu_isa_py, METH_NOARGS,
      "cpu_isa() -> str: the CPU kernel set in use (avx512, avx2, neon, scalar; FLASHQLA_CPU_ISA\n"
@@ -587,6 +707,7 @@ static struct PyModuleDef fq_module = {
 PyMODINIT_FUNC PyInit__C(void)
 {
     PyObject *m = NULL;
+    if (fq_fastargs_init(&fq_recurrent_args) < 0 || fq_fastargs_init(&fq_commit_args) < 0) return NULL;
     m = PyModule_Create(&fq_module);
     if (!m) return NULL;
     if (!fq_Error) {

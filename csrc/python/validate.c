@@ -89,8 +89,11 @@ static int fq_parse_stream(PyObject *obj, fq_call *c)
 }
 
 /* Stage 1: import, in slot order. Nothing given for a required slot is a
- * TypeError; the workspace is not touched when q is on the CPU. */
-static int fq_stage_import(fq_call *c)
+ * TypeError; the workspace is not touched when q is on the CPU. In exchange
+ * mode with no stream given (`producer_stream`), a first array taken through
+ * the C exchange API on CUDA gives the call its stream (its producer's
+ * current one), before any other array is asked for a capsule with it. */
+static int fq_stage_import(fq_call *c, int producer_stream)
 {
     for (int i = 0; i < c->n; i++) {
         fq_slot *s = &c->slots[i];
@@ -105,7 +108,15 @@ static int fq_stage_import(fq_call *c)
             continue;
         }
         if (s->kind == FQ_WS && c->slots[0].a.t->device.device_type != kDLCUDA) continue;
-        if (fq_array_import(&s->a, s->obj, s->name, c->dlpack_stream) < 0) return -1;
+        if (fq_array_import(&s->a, s->obj, s->name, c->dlpack_stream, c->exchange, s->writable) < 0)
+            return -1;
+        if (i == 0 && producer_stream && s->a.xapi && s->a.t->device.device_type == kDLCUDA) {
+            void *st = NULL;
+            if (fq_current_work_stream(&s->a, &st) < 0) return -1;
+            c->stream = st;
+            Py_SETREF(c->dlpack_stream, PyLong_FromUnsignedLongLong(st ? (unsigned long long)(uintptr_t)st : 1));
+            if (!c->dlpack_stream) return -1;
+        }
     }
     return 0;
 }
@@ -527,7 +538,7 @@ static int fq_stage_memory(fq_call *c)
 int fq_call_validate(fq_call *c, PyObject *stream)
 {
     if (fq_parse_stream(stream, c) < 0) return -1;
-    if (fq_stage_import(c) < 0) return -1;
+    if (fq_stage_import(c, c->exchange && (!stream || stream == Py_None)) < 0) return -1;
     if (fq_stage_dtype(c) < 0) return -1;
     if (fq_stage_shape(c) < 0) return -1;
     if (fq_stage_memory(c) < 0) return -1;

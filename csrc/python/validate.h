@@ -52,6 +52,10 @@ typedef struct {
     int64_t Ti;               /* intermediate_states' tokens per sequence     */
     fq_dtype param_dtype;     /* A_log, dt_bias, dA_log, ddt_bias             */
     int acc_int64;            /* num_accepted                                 */
+    int exchange;             /* set before validation: take arrays through
+                                 their type's DLPack C exchange API, and with
+                                 stream None launch on the first array's
+                                 producer's current stream (dlpack_import.h) */
 } fq_call;
 
 /* Imports every slot of `c` and checks them all; `stream` is the call's

@@ -11,7 +11,7 @@
  *        -o /tmp/check_bwd -lgomp
  *   /tmp/check_bwd          (all checks, then timing)
  *   /tmp/check_bwd time     (timing only)
- *   /tmp/check_bwd small    (four small cases, for compute-sanitizer)
+ *   /tmp/check_bwd small    (five small cases, one at K = V = 256, for compute-sanitizer)
  * or simply: bash dev/cuda/run_check_bwd.sh
  *
  * It checks the one backward the library has (the measured one of
@@ -606,7 +606,7 @@ static void print_summary(void)
 
 int main(int argc, char **argv)
 {
-    int only_time = 0, small = 0; /* small: four cases, for compute-sanitizer */
+    int only_time = 0, small = 0; /* small: five cases (one at K = V = 256), for compute-sanitizer */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "time")) only_time = 1;
         else if (!strcmp(argv[i], "small")) small = 1;
@@ -617,6 +617,11 @@ int main(int argc, char **argv)
             {"T=200 GVA4 K64 l2 no-h0 no-dht", 1, 200, 1, 4, 64, 64, {}, 1, 0, 0, FQ_BF16, 16},
             {"varlen K128 GVA1 l2 h0 dht", 1, 0, 2, 2, 128, 128, {1, 63, 64, 65, 300, 0}, 1, 1, 1, FQ_BF16, 16},
             {"varlen K64 GVA2 dht", 1, 0, 1, 2, 64, 64, {0, 1, 63, 64, 65, 300}, 0, 0, 1, FQ_BF16, 16},
+            /* K = V = 256 (issue 7 item 4): h in 64-row slices in bwd_local, bwd_state ks 2 with a
+             * 2-deep ring, 1 block per SM for bwd_wy and the recompute; the first in `small` too */
+            {"varlen K256 GVA2 l2 h0 dht", 1, 0, 1, 2, 256, 256, {1, 63, 64, 65, 37}, 1, 1, 1, FQ_BF16, 16},
+            {"T=300 B=2 K256 fp32 GVA2 h0 dht", 2, 300, 2, 4, 256, 256, {}, 0, 1, 1, FQ_F32, 16},
+            {"T=1000 K256 HV=2 A=0,16 h0 dht", 1, 1000, 1, 2, 256, 256, {}, 0, 1, 1, FQ_BF16, 16},
             {"T=130 fp16 GVA2 l2 h0", 1, 130, 1, 2, 128, 128, {}, 1, 1, 0, FQ_F16, 8},
             {"T=130 fp32 in K128 V64 h0", 1, 130, 1, 1, 128, 64, {}, 0, 1, 1, FQ_F32, 4},
             {"T=130 K64 V128 GVA2 l2 h0", 1, 130, 1, 2, 64, 128, {}, 1, 1, 1, FQ_BF16, 16},
@@ -624,7 +629,7 @@ int main(int argc, char **argv)
             {"T=8192 HV=2 A=0,16 h0 dht", 1, 8192, 1, 2, 128, 128, {}, 0, 1, 1, FQ_BF16, 16},
             {"T=8192 HV=1 A=2 l2 h0", 1, 8192, 1, 1, 128, 128, {}, 1, 1, 0, FQ_BF16, 2},
         };
-        for (size_t i = 0; i < (small ? 4 : cases.size()); i++) run_case(cases[i]);
+        for (size_t i = 0; i < (small ? 5 : cases.size()); i++) run_case(cases[i]);
         run_invalid();
     }
     if (!small) {

@@ -19,8 +19,9 @@
  * comparisons against them: git history, commit 4599409; stage A's blocked
  * kernel vs its persistent one is dev/cuda/check_fwd_wy.cu.) The last lines are a summary table.
  * Modes: `/tmp/check_fwd` (everything),
- * `quick` (no T = 32768 case, no timings), `tiny` (four small problems, every
- * kernel variant: memcheck, forced PTX JIT), `race` (two, for racecheck).
+ * `quick` (no T = 32768 case, no timings), `tiny` (small problems, every
+ * kernel variant, K = V = 256 included: memcheck, forced PTX JIT), `race`
+ * (three, for racecheck).
  * Inputs
  * follow DESIGN §3: q, k L2-normalised (raw randn with use_qk_l2norm),
  * beta = sigmoid(randn), g = -A_h softplus(0.5 randn + 1) with A_h from 0 to
@@ -284,6 +285,9 @@ struct Cfg {
 static const Cfg CFG_AUTO[] = {{0, 0, "auto"}};
 static const Cfg CFG_BV[] = {{0, 0, "auto"}, {16, 1, "bv16 ks1"}, {32, 1, "bv32 ks1"}, {64, 1, "bv64 ks1"},
                              {16, 2, "bv16 ks2"}, {32, 2, "bv32 ks2"}, {64, 2, "bv64 ks2"}};
+/* K = V = 256 (issue 7 item 4): stage B is built with the K-split only;
+ * bv16 runs its 3-deep ring when blocks <= SMs, bv32 / bv64 the 2-deep one */
+static const Cfg CFG_K256[] = {{0, 0, "auto"}, {16, 2, "bv16 ks2"}, {32, 2, "bv32 ks2"}, {64, 2, "bv64 ks2"}};
 #define NCFG(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 /* summary: checks, failures, worst rel of o and ht */
@@ -417,7 +421,18 @@ static void check_errors(void)
     st = fq_cuda_chunk_fwd(&p);
     int ok3 = st == FQ_ERR_VALUE && strstr(fq_last_error(), "workspace");
     printf("  %-46s %d \"%s\" %s\n", "missing workspace rejected", (int)st, fq_last_error(), ok3 ? "ok" : "FAIL");
-    if (!(ok1 && ok2 && ok3)) g_fail = 1;
+    /* K = V = 256 (issue 7 item 4): the chunked forward takes it (the
+     * three-stage forward, never the fused one); 256 with another head dim
+     * is refused, naming the argument (the backward's refusal of K = 256 is
+     * tests/test_gpu.py's: this driver does not link the backward) */
+    p.K = 256; p.V = 128; p.workspace = (void *)0x700000; p.workspace_bytes = (size_t)1 << 40;
+    st = fq_cuda_chunk_fwd(&p);
+    int ok4 = st == FQ_ERR_VALUE && strncmp(fq_last_error(), "v:", 2) == 0 && strstr(fq_last_error(), "K = V = 256");
+    printf("  %-46s %d \"%s\" %s\n", "K=256 V=128 rejected", (int)st, fq_last_error(), ok4 ? "ok" : "FAIL");
+    p.V = 256;
+    int ok5 = !fq_cuda_fwd_fused_available(&p);
+    printf("  %-46s %s\n", "K=V=256: no fused forward (three stages)", ok5 ? "ok" : "FAIL");
+    if (!(ok1 && ok2 && ok3 && ok4 && ok5)) g_fail = 1;
 }
 
 /* recurrent step: pool [P, HV, K, V], indices with -1 (padding); compares o
@@ -615,11 +630,12 @@ struct TimeRow {
 };
 static std::vector<TimeRow> g_rows;
 
-/* H/HV, nseq sequences of len tokens (varlen: one row, cu_seqlens) */
-static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms, double fqla_ms)
+/* H/HV, nseq sequences of len tokens (varlen: one row, cu_seqlens); K = V = kd
+ * (256: the three-stage forward, stage B's K-split configurations only) */
+static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms, double fqla_ms, int kd = 128)
 {
     Problem pb = {};
-    pb.B = varlen ? 1 : nseq; pb.T = varlen ? nseq * len : len; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
+    pb.B = varlen ? 1 : nseq; pb.T = varlen ? nseq * len : len; pb.H = H; pb.HV = HV; pb.K = kd; pb.V = kd;
     pb.dt = FQ_BF16; pb.gdt = FQ_F32; pb.has_h0 = 1; pb.want_ht = 1;
     if (varlen)
         for (int i = 0; i <= nseq; i++) pb.cu.push_back((int64_t)i * len);
@@ -630,7 +646,8 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
     fq_cuda_fwd_ws_layout(&p, d.ws, &ws);
     TimeRow r;
     memset(&r, 0, sizeof r);
-    snprintf(r.shape, sizeof r.shape, "%d/%d %s%dx%d", H, HV, varlen ? "varlen " : "", nseq, len);
+    snprintf(r.shape, sizeof r.shape, "%s%d/%d %s%dx%d", kd != 128 ? (kd == 256 ? "K256 " : "K64 ") : "", H, HV,
+             varlen ? "varlen " : "", nseq, len);
     r.fla = fla_ms;
     r.fqla = fqla_ms;
     r.tot = time_it(&p, &ws, 1, run_stage);
@@ -639,6 +656,7 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
     const int cfg2[7][2] = {{16, 1}, {32, 1}, {64, 1}, {16, 2}, {32, 2}, {64, 2}, {0, 0}};
     for (int i = 0; i < 7; i++) {
         g_time_bv = cfg2[i][0]; g_time_ks = cfg2[i][1];
+        if (kd == 256 && g_time_ks == 1) { r.b[i] = NAN; continue; } /* not built at K = 256 */
         r.b[i] = time_it(&p, &ws, 6, run_stage);
     }
     g_time_bv = g_time_ks = 0;
@@ -650,7 +668,9 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
         r.inv = time_it(&p, &wsf, 10, run_stage);
         r.fused = time_it(&p, &wsf, 11, run_stage);
     }
-    double tflops = 183e3 * (double)nseq * len * HV / (r.tot * 1e-3) / 1e12;
+    /* 183 kFLOP per token and value head at K = V = 128 (DESIGN §6; not
+     * counted for other head dims: nan) */
+    double tflops = kd == 128 ? 183e3 * (double)nseq * len * HV / (r.tot * 1e-3) / 1e12 : NAN;
     printf("  fwd %-22s total %.3f ms (%.1f TFLOP/s) | fused: inverse %.3f, main %.3f | three-stage %.3f: "
            "prepare %.3f | A %.3f | B ks1 bv16 %.3f bv32 %.3f bv64 %.3f, ks2 bv16 %.3f bv32 %.3f bv64 %.3f, "
            "auto %.3f | C %.3f\n",
@@ -801,6 +821,8 @@ static void chunk_suite(int quick, int tiny, int race)
         check_chunk("T=130 B=4 H=4 HV=16", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
         x.K = 64; x.V = 64; x.B = 1; x.T = 100;
         check_chunk("  K=V=64 T=100", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
+        x.K = 256; x.V = 256; x.HV = 2; x.H = 1;
+        check_chunk("  K=V=256 T=100 HV=2", x, 16.0, 0, 5e-3, CFG_K256, NCFG(CFG_K256));
         return;
     }
     {
@@ -837,7 +859,30 @@ static void chunk_suite(int quick, int tiny, int race)
         check_chunk("  varlen 1,63,64,65,0,1000 int32", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
     }
     { Problem x = b; x.K = 64; x.V = 64; x.H = 4; check_chunk("  K=V=64 GVA 2", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV)); }
+    {
+        /* K = V = 256 (issue 7 item 4), small: varlen with a partial last
+         * chunk, GVA 2, h0 / ht, in-kernel L2 norm; every stage B variant */
+        Problem x = b; x.B = 1; x.H = 1; x.HV = 2; x.K = 256; x.V = 256;
+        x.cu = {0, 37, 100}; x.T = 100; x.l2norm = 1;
+        check_chunk("K=V=256 varlen 37,63 GVA 2 l2norm h0", x, 16.0, 0, 5e-3, CFG_K256, NCFG(CFG_K256));
+    }
     if (tiny) return;
+    {
+        /* K = V = 256 (issue 7 item 4), against the float64 reference: the
+         * three-stage forward (stage A's V tile in its own region, stage B
+         * K-split only with a 3- or 2-deep ring, stage C 16 warps) */
+        Problem x = b; x.K = 256; x.V = 256; x.H = 2; x.HV = 4; x.B = 1;
+        x.cu = {0, 1, 64, 128, 193, 193, 493}; x.T = 493;
+        check_chunk("K=V=256 bf16 varlen 1,63,64,65,0,300 GVA 2", x, 16.0, 0, 5e-3, CFG_K256, NCFG(CFG_K256));
+        x.dt = FQ_F32; x.l2norm = 1;
+        check_chunk("K=V=256 fp32 varlen int64 l2norm GVA 2", x, 16.0, 1, 5e-3, CFG_K256, NCFG(CFG_K256));
+        Problem y = b; y.K = 256; y.V = 256; y.H = 2; y.HV = 4; y.B = 2; y.T = 200; y.dt = FQ_F32;
+        check_chunk("K=V=256 fp32 B=2 T=200 GVA 2 h0", y, 16.0);
+        y.dt = FQ_F16; y.has_h0 = 0; y.want_ht = 0; y.T = 130;
+        check_chunk("K=V=256 fp16 B=2 T=130 no h0, no ht", y, 16.0);
+        Problem z = b; z.K = 256; z.V = 256; z.B = 1; z.H = 1; z.HV = 2; z.T = 2048;
+        check_chunk("K=V=256 T=2048 HV=2 (A_h 0 and 16) bf16", z, 16.0, 0, 5e-3, CFG_K256, NCFG(CFG_K256));
+    }
     { Problem x = b; x.l2norm = 1; check_chunk("  + use_qk_l2norm", x, 16.0); }
     { Problem x = b; x.has_h0 = 0; x.want_ht = 0; check_chunk("  no h0, no ht", x, 16.0); }
     { Problem x = b; x.dt = FQ_F16; check_chunk("  float16 inputs", x, 16.0); }
@@ -890,6 +935,11 @@ static void run_timings(int short_only)
     printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
     for (const TimedFwd &r : TIMED_FWD)
         if (!short_only || r.in_short) time_fwd(r.H, r.HV, r.nseq, r.len, r.varlen, r.fla, r.fqla);
+    /* K = V = 256 (issue 7 item 4; no FLA / FlashQLA figures: FlashQLA takes 128 only) */
+    if (!short_only) {
+        time_fwd(16, 32, 1, 8192, 0, NAN, NAN, 256);
+        time_fwd(16, 32, 8, 1024, 0, NAN, NAN, 256);
+    }
     for (const TimedRec &r : TIMED_REC)
         if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T);
 }
@@ -1000,6 +1050,14 @@ int main(int argc, char **argv)
         }
         chunk_suite(quick, tiny, race);
     }
+    if (tiny && !race && !timeonly) {
+        /* memcheck / forced JIT of the recurrent step at K = V = 256 (issue 7
+         * item 4; its 2-block, 32 KB-per-stage instantiations): decode and
+         * a group of 4 tokens, with o==chunk against the forward */
+        printf("recurrent step, K = V = 256\n");
+        check_recurrent("tiny: N=3 T=1 K=V=256 bf16", 3, 1, 1, 2, 256, 256, 0, 0, FQ_BF16, 0);
+        check_recurrent("tiny: N=2 T=5 K=V=256 fp32 l2norm", 2, 5, 1, 2, 256, 256, 0, 1, FQ_F32, 0);
+    }
     if (!tiny) {
         printf("errors\n");
         check_errors();
@@ -1013,6 +1071,11 @@ int main(int argc, char **argv)
         /* many groups of 4 tokens, each copied into the stage and waited for */
         check_recurrent("N=3 T=150 H=2 HV=4 K=V=128 bf16", 3, 150, 2, 4, 128, 128, 0, 0, FQ_BF16, 0);
         check_recurrent("N=2 T=70 K=V=64 fp32 l2norm", 2, 70, 2, 4, 64, 64, 0, 1, FQ_F32, 0);
+        /* K = V = 256 (issue 7 item 4): decode (one token per stage), groups
+         * of 4 over several groups, varlen; o==chunk against the forward */
+        check_recurrent("N=6 T=1 H=2 HV=4 K=V=256 bf16 idx int32", 6, 1, 2, 4, 256, 256, 0, 0, FQ_BF16, 0);
+        check_recurrent("N=3 T=10 H=1 HV=2 K=V=256 fp32 l2norm", 3, 10, 1, 2, 256, 256, 0, 1, FQ_F32, 1);
+        check_recurrent("varlen N=7 K=V=256 fp16", 7, 5, 2, 4, 256, 256, 1, 0, FQ_F16, 0);
     }
 
     if (!quick) run_timings(0);

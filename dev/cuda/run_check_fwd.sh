@@ -15,13 +15,14 @@
 #     time`), then the quick check and the tiny memcheck/racecheck runs with
 #     the defaults.
 #     build/ab reuse $B/check_fwd when it exists.
+#   FQ_BUILD_DIR: where the objects and $B/check_fwd go (default /tmp/fqbuild).
 #   FQ_NVFLAGS: extra nvcc flags for every object (e.g. a -D that a temporary
 #     #ifndef in the sources reads: a variant binary to time against the default
 #     one in the same device call; benchmarks/NOTES.md, session 7).
 set -u
 MODE=${1:-full}
 OUTDIR=${OUT:-/tmp}; mkdir -p "$OUTDIR"
-B=/tmp/fqbuild; mkdir -p $B
+B=${FQ_BUILD_DIR:-/tmp/fqbuild}; mkdir -p $B
 # compute-sanitizer memcheck (mode tiny) and racecheck (mode race) in parallel,
 # logs memcheck$1.log and racecheck$1.log; print_sanitize shows their verdicts
 sanitize_tiny() {

@@ -14,7 +14,8 @@ kernels) plugs in this way; register() adds flashqla the same way, ahead of
 it (priority 2; FlashQLA has 3). Set FLA_FLASHQLA=0 to switch it off again.
 
 flashqla takes a call when its backend can run it: tensors on the CPU, or on
-a CUDA device with flashqla's CUDA backend built and K, V in {64, 128}; and
+a CUDA device with flashqla's CUDA backend built and K, V in {64, 128}, or
+K = V = 256; and
 none of the options flashqla does not implement (the ones its
 chunk_gated_delta_rule refuses, see flashqla.chunk_gated_delta_rule).
 Anything else goes on to the next backend, with FLA's reason logged.
@@ -32,7 +33,7 @@ __all__ = ["register", "BACKEND_TYPE", "PRIORITY"]
 
 BACKEND_TYPE = "flashqla"
 PRIORITY = 2
-CUDA_HEAD_DIMS = (64, 128)
+CUDA_HEAD_DIMS = (64, 128)      # any pair of these, or K = V = 256
 
 
 def _bind(args, kwargs):
@@ -56,8 +57,9 @@ def rejection(*args: Any, **kwargs: Any) -> Optional[str]:
         if not flashqla.cuda_available():
             return "flashqla was built without its CUDA backend"
         K, V = q.shape[-1], v.shape[-1]
-        if K not in CUDA_HEAD_DIMS or V not in CUDA_HEAD_DIMS:
-            return f"flashqla's CUDA backend takes K, V in {CUDA_HEAD_DIMS}, got K={K}, V={V}"
+        if not (K == V == 256 or (K in CUDA_HEAD_DIMS and V in CUDA_HEAD_DIMS)):
+            return (f"flashqla's CUDA backend takes K, V in {CUDA_HEAD_DIMS} or K = V = 256, "
+                    f"got K={K}, V={V}")
         if q.dtype.is_floating_point and q.dtype.itemsize == 8:
             return "flashqla's CUDA backend does not take float64"
     elif q.device.type != "cpu":
