@@ -350,7 +350,9 @@ static void setup(const Case &c, const Host &h, fq_gdn_params &p, Dev &d, double
     p.H = c.H; p.HV = c.HV; p.K = c.K; p.V = c.V; p.N = h.N;
     p.dtype = c.dt; p.gate_dtype = FQ_F32; p.state_dtype = FQ_F32;
     p.scale = scale; p.use_qk_l2norm = c.l2norm;
-    const fq_dtype dt = c.dt == FQ_F64 ? FQ_BF16 : c.dt; /* F64: only the refusal is checked */
+    /* F64: only the refusal is checked, on buffers of float64's size (bf16-sized ones
+     * would overlap as float64 extents, and the aliasing check would answer first) */
+    const fq_dtype dt = c.dt;
     d.q = upload(h.q, dt); d.k = upload(h.k, dt); d.v = upload(h.v, dt);
     d.g = upload(h.g, FQ_F32); d.beta = upload(h.beta, FQ_F32); d.dout = upload(h.dout, dt);
     if (c.use_h0) d.h0 = (float *)upload(h.h0, FQ_F32);
@@ -375,7 +377,6 @@ static void setup(const Case &c, const Host &h, fq_gdn_params &p, Dev &d, double
     CK(cudaMalloc(&d.ws, d.wsb ? d.wsb : 16));
     CK(cudaMemset(d.ws, 0xff, d.wsb ? d.wsb : 16)); /* garbage, not zeros */
     p.workspace = d.ws; p.workspace_bytes = d.wsb;
-    p.dtype = c.dt; /* restore F64 for the refusal case */
 }
 
 static void release(Dev &d)
