@@ -14,8 +14,11 @@ same loop) is printed next to it.
 
   calls:  the public flashqla.gdn_recurrent at the decode shape (T = 1, a pool
           with int32 state_indices) and the speculative verify (T = 4,
-          intermediate_states, update_state=False), torch.ops.flashqla.recurrent
-          (the custom op through the dispatcher), and flashqla._C.recurrent with
+          intermediate_states, update_state=False; its hot path is _C.recurrent_hot
+          where torch has the DLPack C exchange API), the same hot path in Python
+          (flashqla._torch.recurrent_hot, what a torch without that API runs),
+          torch.ops.flashqla.recurrent (the custom op through the dispatcher),
+          and flashqla._C.recurrent with
           its DLPack capsules made in the loop and made beforehand, and with the
           tensors themselves taken through torch's DLPack C exchange API
           (exchange_api=True, what the hot path does where torch has that API;
@@ -108,6 +111,7 @@ def launch_kwargs(x):
 
 def calls_of(x, threads, verify):
     """(name, fn(arg), prepare or None) of the call rows for inputs x."""
+    from flashqla import _torch as ft
     q, k, v, g, b, pool, idx, o, scale = (x[n] for n in "q k v g b pool idx o scale".split())
     inter = x["inter"]
     c = to_dlpack
@@ -128,6 +132,8 @@ def calls_of(x, threads, verify):
         xch = lambda _: _C.recurrent(q, k, v, g, b, pool, o, scale=scale, state_indices=idx,  # noqa: E731
                                      intermediate_states=inter, exchange_api=True, **xkw)
         made = (q, k, v, g, b, pool, o, idx, inter)
+        pyhot = lambda _: ft.recurrent_hot(q, k, v, g, b, pool, idx, None, False, inter,  # noqa: E731
+                                           False, "kv")
         name = f"verify T={q.shape[1]}"
     else:
         public = lambda _: flashqla.gdn_recurrent(q, k, v, g, b, pool, state_indices=idx)  # noqa: E731
@@ -140,9 +146,11 @@ def calls_of(x, threads, verify):
         xch = lambda _: _C.recurrent(q, k, v, g, b, pool, o, scale=scale, state_indices=idx,  # noqa: E731
                                      exchange_api=True, **xkw)
         made = (q, k, v, g, b, pool, o, idx)
+        pyhot = lambda _: ft.recurrent_hot(q, k, v, g, b, pool, idx, None, False)  # noqa: E731
         name = "decode T=1"
     premade = lambda n: [[c(t) for t in made] for _ in range(n)]  # noqa: E731
     rows = [(f"flashqla.gdn_recurrent {name}", public, None),
+            (f"flashqla._torch.recurrent_hot {name} (the hot path in Python)", pyhot, None),
             (f"torch.ops.flashqla.recurrent {name}", op, None),
             (f"_C.recurrent {name}, capsules made in the loop", raw, None),
             (f"_C.recurrent {name}, capsules made before", pre, premade)]

@@ -54,15 +54,17 @@ def _torch_front():
     """flashqla._torch (imported on the first PyTorch call: it registers the
     torch.ops.flashqla operators, and importing flashqla needs no torch); from
     then on gdn_recurrent tries its decode hot path first."""
-    global _torch_front, _recurrent_hot, _commit_hot
+    global _torch_front, _recurrent_hot, _commit_hot, _is_compiling
     from . import _torch
     _torch_front = lambda: _torch  # noqa: E731
-    _recurrent_hot, _commit_hot = _torch.recurrent_hot, _torch.commit_hot
+    _recurrent_hot, _commit_hot = _torch.recurrent_hot_entry, _torch.commit_hot
+    _is_compiling = _torch.is_compiling
     return _torch
 
 
-_recurrent_hot = None  # flashqla._torch.recurrent_hot, once a PyTorch call brought it in
+_recurrent_hot = None  # flashqla._torch.recurrent_hot_entry, once a PyTorch call brought it in
 _commit_hot = None     # flashqla._torch.commit_hot, likewise
+_is_compiling = None   # torch.compiler.is_compiling, likewise
 
 
 def gdn_chunk(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
@@ -246,7 +248,9 @@ def gdn_recurrent(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Ar
     hot = _recurrent_hot  # the decode hot path: PyTorch tensors straight to the binding
     tried = hot is not None and cu_seqlens is None and not use_gate_in_kernel and \
         not use_beta_sigmoid_in_kernel
-    if tried:
+    # (is_compiling here, in Python: torch.compile must see it before the hot path,
+    # which may be a C function)
+    if tried and not _is_compiling():
         o = hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
                 intermediate_states, update_state, state_layout)
         if o is not None:

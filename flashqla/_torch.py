@@ -549,7 +549,10 @@ def recurrent_hot(q, k, v, g, beta, state, idx, scale, use_qk_l2norm, inter=None
     which on CUDA also gives torch's current stream; a torch without that API
     gets capsules and the stream as a raw int. No workspace (the step needs
     one only with cu_seqlens). Returns None when the call is not of that kind
-    (gdn_recurrent then takes the full path)."""
+    (gdn_recurrent then takes the full path). Where torch has the exchange API
+    gdn_recurrent calls _C.recurrent_hot instead (recurrent_hot_entry below):
+    these decisions made in C, except that a scale that is not a float goes to
+    the full path there; keep the two in step."""
     T = Tensor  # type() first: it runs no torch function mode
     if not (type(q) is T and type(k) is T and type(v) is T and type(g) is T and type(beta) is T
             and type(state) is T):
@@ -673,4 +676,16 @@ _is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 _len_function_modes = torch._C._len_torch_function_stack
+is_compiling = _is_compiling  # (flashqla._api checks it before recurrent_hot_entry)
+
+# The decode hot path gdn_recurrent tries first: where torch has the DLPack C
+# exchange API, recurrent_hot's checks and calls made in C (_C.recurrent_hot:
+# the same decisions, the same call, no Python frame; its caller checks
+# is_compiling), else recurrent_hot itself.
+if _EXCHANGE:
+    _C.recurrent_hot_init(Tensor, _F32, torch.empty_like, _functorch_active, _len_dispatch_modes,
+                          _len_function_modes, _increment_version)
+    recurrent_hot_entry = _C.recurrent_hot
+else:
+    recurrent_hot_entry = recurrent_hot
 

@@ -311,14 +311,15 @@ def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkey
     """The hot path and the op's kernel hand the tensors themselves to the
     binding (taken there through torch's DLPack C exchange API: no capsule
     made) where torch has that API, capsules where it has not (the op:
-    recurrent_prepared): the same bits every way."""
+    recurrent_prepared): the same bits every way, the hot path in C
+    (_C.recurrent_hot) and in Python (recurrent_hot) alike."""
     N, T, HV = 3, (4 if verify else 1), 4
     t = cast_inputs_torch(make_inputs(N, T, 2, HV, 32, 32, seed=23, h0=False), "float32")
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
     pool = torch.randn(5, HV, 32, 32)
     idx = torch.tensor([4, -1, 1], dtype=torch.int32)
     out = []
-    for mode in ("exchange", "capsules", "op", "op-prepared"):
+    for mode in ("exchange", "exchange-python", "capsules", "op", "op-prepared"):
         p = pool.clone()
         i = torch.zeros((N, T, HV, 32, 32)) if verify else None
         kw = dict(state_indices=idx, intermediate_states=i, update_state=not verify)
@@ -332,7 +333,9 @@ def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkey
                     o = flashqla.gdn_recurrent(*args, p, **kw)
             else:
                 m.setattr(flashqla._torch, "recurrent_prepared", _no_full_path)
-                if mode == "exchange":
+                if mode != "exchange":  # the hot path in Python
+                    m.setattr(flashqla._api, "_recurrent_hot", flashqla._torch.recurrent_hot)
+                if mode.startswith("exchange"):
                     if not flashqla._torch._EXCHANGE:
                         continue  # this torch has no exchange API: capsules only
                     m.setattr(flashqla._torch, "_to_dlpack", _no_capsule)
@@ -346,9 +349,9 @@ def test_recurrent_fast_path_exchange_api_and_capsules_give_the_same_bits(monkey
         assert i is None or torch.equal(out[0][2], i)
 
 
-@pytest.mark.parametrize("path", ["hot", "checked", "op"])
+@pytest.mark.parametrize("path", ["hot", "hot-python", "checked", "op"])
 @pytest.mark.parametrize("verify", [False, True])
-def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
+def test_recurrent_and_commit_bump_the_version_of_what_they_write(monkeypatch, path, verify):
     """Every path bumps the autograd version counter of the pool it updates
     (the eager paths not with update_state=False) and of intermediate_states,
     as the op's ADInplaceOrView kernel does, and so does gdn_commit: a backward through a
@@ -363,6 +366,8 @@ def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
     saved = [(pool * w).sum()] + ([(inter[:, 0] * w).sum()] if verify else [])
     versions = pool._version, (inter._version if verify else None)
     kw = dict(intermediate_states=inter, update_state=not verify)
+    if path == "hot-python":
+        monkeypatch.setattr(flashqla._api, "_recurrent_hot", flashqla._torch.recurrent_hot)
     if path == "op":
         with _Recorder():
             flashqla.gdn_recurrent(*args, pool, **kw)
@@ -389,6 +394,86 @@ def test_recurrent_and_commit_bump_the_version_of_what_they_write(path, verify):
     else:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved[0].backward()
+
+
+@pytest.mark.skipif(not flashqla._torch._EXCHANGE, reason="this torch has no DLPack C exchange API")
+def test_c_hot_path_takes_what_the_python_one_takes_and_refuses_the_rest():
+    """_C.recurrent_hot makes recurrent_hot's decisions: the calls it takes give
+    the bits of the Python hot path (o, the pool, intermediate_states, the
+    version bumps); every call the Python one refuses (a subclass, requires_grad,
+    a gate dtype, indices that are not a tensor or on another device, a layout or
+    update_state it does not know, a grad-requiring intermediate_states, an active
+    TorchFunctionMode, a non-contiguous q) it refuses too (None, nothing written),
+    and a scale that is not a float (which the Python one converts) goes to the
+    checked path; no reference is leaked or lost."""
+    import sys
+    hot, py = flashqla._C.recurrent_hot, flashqla._torch.recurrent_hot
+    N, T, HV = 3, 2, 4
+    t = cast_inputs_torch(make_inputs(N, T, 2, HV, 16, 16, seed=31, h0=False), "float32")
+    q, k, v, g, beta = t["q"], t["k"], t["v"], t["g"], t["beta"]
+    pool = torch.randn(5, HV, 16, 16)
+    idx = torch.tensor([4, -1, 1], dtype=torch.int32)
+    inter = torch.zeros(N, T, HV, 16, 16)
+
+    def both(*a):
+        """(the C result, the Python result), each on its own copy of the pool and
+        intermediate_states; the versions each bumped"""
+        res = []
+        for f in (hot, py):
+            p = pool.clone()
+            i = a[3].clone() if a[3] is not None else None
+            vp, vi = p._version, (i._version if i is not None else None)
+            o = f(a[0], k, v, g, beta, p, idx, a[1], a[2], i, a[4], a[5])
+            res.append((o, p, i, p._version - vp, None if i is None else i._version - vi))
+        return res
+
+    for a in [(q, None, False, None, True, "kv"), (q, 0.25, True, None, True, "kv"),
+              (q, None, False, inter, False, "kv"), (q, None, False, inter, True, "vk"),
+              (q, None, False, None, False, "kv")]:
+        (oc, pc, ic, dpc, dic), (op, pp, ip, dpp, dip) = both(*a)
+        assert oc is not None and op is not None
+        assert torch.equal(oc, op) and torch.equal(pc, pp) and (ic is None or torch.equal(ic, ip))
+        assert (dpc, dic) == (dpp, dip)
+        assert (dpc > 0) is (a[4] is True) and (dic is None or dic > 0)
+
+    class Sub(torch.Tensor):
+        pass
+
+    refused = [
+        dict(q=q.as_subclass(Sub)), dict(q=q.clone().requires_grad_()), dict(g=g.double()),
+        dict(beta=beta.half()), dict(idx=[4, -1, 1]), dict(idx=idx.numpy()),
+        dict(layout="KV"), dict(layout=None), dict(update=1), dict(scale=1),
+        dict(scale=np.float32(0.3)), dict(inter=inter.clone().requires_grad_()),
+        dict(q=torch.stack([q, q], -1)[..., 0]),
+    ]
+    if torch.cuda.is_available():
+        refused.append(dict(idx=idx.cuda()))
+    for r in refused:
+        a = dict(q=q, g=g, beta=beta, idx=idx, scale=None, inter=None, update=True, layout="kv")
+        a.update(r)
+        p = pool.clone()
+        before = p.clone()
+        got = hot(a["q"], k, v, a["g"], a["beta"], p, a["idx"], a["scale"], False, a["inter"], a["update"],
+                  a["layout"])
+        assert got is None, r
+        assert torch.equal(p, before)
+        # (the Python one takes a strided q to the binding, which refuses it, and converts
+        # a scale that is not a float, scale_of: both end as the checked path's result)
+        if ("q" not in r or r["q"].is_contiguous()) and "scale" not in r:
+            assert py(a["q"], k, v, a["g"], a["beta"], p, a["idx"], a["scale"], False, a["inter"], a["update"],
+                      a["layout"]) is None, r
+    with _Recorder():
+        assert hot(q, k, v, g, beta, pool.clone(), idx, None, False, None, True, "kv") is None
+    with pytest.raises(TypeError, match="12 positional"):
+        hot(q, k, v)
+    objs = (q, k, v, g, beta, pool, idx, inter)
+    counts = [sys.getrefcount(x) for x in objs]
+    for _ in range(200):
+        hot(q, k, v, g, beta, pool, idx, None, False, None, True, "kv")
+        hot(q, k, v, g, beta, pool, idx, None, False, inter, False, "kv")
+        hot(q.clone().requires_grad_(), k, v, g, beta, pool, idx, None, False, None, True, "kv")
+        hot(q, k, v, g, beta, pool, idx, None, False, None, True, "bad")
+    assert [sys.getrefcount(x) for x in objs] == counts
 
 
 def test_commit_fast_path_equals_the_op_and_falls_back():

@@ -468,6 +468,152 @@ fail:
     return result;
 }
 
+/* ================================================ the decode hot path == */
+
+/* What recurrent_hot needs of torch, handed over once by flashqla._torch
+ * (recurrent_hot_init) and kept for the process: the tensor type, float32,
+ * torch.empty_like, the three mode checks of _torch._plain_eager that are C
+ * functions, torch._C._increment_version. */
+static struct {
+    PyObject *tensor_type, *f32, *empty_like, *mode_checks[3], *incver;
+    PyObject *s_requires_grad, *s_dtype, *kwnames;
+} fq_hot;
+
+PyDoc_STRVAR(fq_recurrent_hot_init_doc,
+"recurrent_hot_init(Tensor, float32, empty_like, functorch_active, len_dispatch_stack,\n"
+"                   len_function_stack, increment_version) -> None\n\n"
+"Gives recurrent_hot torch's objects (flashqla._torch calls it once, where\n"
+"torch has the DLPack C exchange API).");
+
+static PyObject *fq_recurrent_hot_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) return PyErr_Format(PyExc_TypeError, "recurrent_hot_init() takes 7 arguments (%zd given)", nargs);
+    if (!PyType_Check(args[0])) return PyErr_Format(PyExc_TypeError, "recurrent_hot_init: expected a type first");
+    for (int i = 2; i < 7; i++)
+        if (!PyCallable_Check(args[i]))
+            return PyErr_Format(PyExc_TypeError, "recurrent_hot_init: argument %d is not callable", i + 1);
+    if (!fq_hot.kwnames) {
+        /* the keywords recurrent_hot passes to recurrent, as its parser's interned names
+         * (matched by pointer) */
+        static const int kw[] = {7, 8, 10, 11, 12, 13, 21}; /* scale .. state_layout, exchange_api */
+        PyObject *t = PyTuple_New(7);
+        if (!t) return NULL;
+        for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(fq_recurrent_args.interned[kw[i]]));
+        PyObject *a = PyUnicode_InternFromString("requires_grad"), *b = PyUnicode_InternFromString("dtype");
+        if (!a || !b) {
+            Py_XDECREF(a), Py_XDECREF(b), Py_DECREF(t);
+            return NULL;
+        }
+        fq_hot.s_requires_grad = a, fq_hot.s_dtype = b, fq_hot.kwnames = t;
+    }
+    Py_XSETREF(fq_hot.tensor_type, Py_NewRef(args[0]));
+    Py_XSETREF(fq_hot.f32, Py_NewRef(args[1]));
+    Py_XSETREF(fq_hot.empty_like, Py_NewRef(args[2]));
+    for (int i = 0; i < 3; i++) Py_XSETREF(fq_hot.mode_checks[i], Py_NewRef(args[3 + i]));
+    Py_XSETREF(fq_hot.incver, Py_NewRef(args[6]));
+    Py_RETURN_NONE;
+}
+
+/* 1 / 0 for the truth of r (a new reference, released), -1 with an error set
+ * (also when r is NULL). */
+static int fq_hot_truth(PyObject *r)
+{
+    if (!r) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+PyDoc_STRVAR(fq_recurrent_hot_doc,
+"recurrent_hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,\n"
+"              intermediate_states, update_state, state_layout) -> o or None\n\n"
+"flashqla._torch.recurrent_hot in C, for a torch with the DLPack C exchange\n"
+"API (recurrent_hot_init first; the caller checks torch.compiler.is_compiling,\n"
+"which torch.compile must see): when every tensor is a plain torch.Tensor that\n"
+"does not require grad, no functorch transform, dispatch or function mode is\n"
+"active, g and beta share a dtype (float32 or q's), the indices are a tensor\n"
+"(on another device than q the binding refuses them), intermediate_states\n"
+"(if any) a plain tensor, update_state a bool, state_layout \"kv\" or \"vk\"\n"
+"and scale None or a float, it allocates o = torch.empty_like(v), runs\n"
+"recurrent(..., exchange_api=True), bumps the autograd version of what it\n"
+"wrote and returns o; None when the call is not\n"
+"of that kind or the binding refused an argument (ValueError, TypeError):\n"
+"the caller then takes the checked path, which raises its own errors.");
+
+static PyObject *fq_recurrent_hot(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 12)
+        return PyErr_Format(PyExc_TypeError, "recurrent_hot() takes 12 positional arguments (%zd given)", nargs);
+    if (!fq_hot.tensor_type) Py_RETURN_NONE;
+    PyObject *q = args[0], *v = args[2], *g = args[3], *beta = args[4], *state = args[5], *idx = args[6];
+    PyObject *scale = args[7], *l2 = args[8], *inter = args[9], *update = args[10], *layout = args[11];
+    const PyTypeObject *T = (const PyTypeObject *)fq_hot.tensor_type;
+    /* q, k, v, g, beta, state: plain tensors (exact type: no subclass, no FakeTensor) */
+    for (int i = 0; i < 6; i++)
+        if (Py_TYPE(args[i]) != T) Py_RETURN_NONE;
+    /* nothing traces the call: no functorch transform, no dispatch or function mode */
+    for (int i = 0; i < 3; i++) {
+        const int t = fq_hot_truth(PyObject_CallNoArgs(fq_hot.mode_checks[i]));
+        if (t < 0) return NULL;
+        if (t) Py_RETURN_NONE;
+    }
+    for (int i = 0; i < 6; i++) {
+        const int t = fq_hot_truth(PyObject_GetAttr(args[i], fq_hot.s_requires_grad));
+        if (t < 0) return NULL;
+        if (t) Py_RETURN_NONE;
+    }
+    /* g, beta: one dtype, float32 or q's (dtypes are singletons) */
+    PyObject *gd = PyObject_GetAttr(g, fq_hot.s_dtype), *bd = gd ? PyObject_GetAttr(beta, fq_hot.s_dtype) : NULL;
+    PyObject *qd = bd ? PyObject_GetAttr(q, fq_hot.s_dtype) : NULL;
+    const int dtypes_ok = qd && gd == bd && (gd == fq_hot.f32 || gd == qd);
+    Py_XDECREF(gd), Py_XDECREF(bd), Py_XDECREF(qd);
+    if (!qd) return NULL;
+    if (!dtypes_ok) Py_RETURN_NONE;
+    /* indices: a plain tensor (on another device than q the binding refuses them: the
+     * checked path then moves them) */
+    if (idx != Py_None && Py_TYPE(idx) != T) Py_RETURN_NONE;
+    /* verify or the [V, K] layout: update_state a bool, state_layout "kv" or "vk" (exact
+     * str; anything else goes to the checked path), intermediate_states a plain tensor */
+    const int is_str = PyUnicode_CheckExact(layout);
+    const int kv = is_str && PyUnicode_CompareWithASCIIString(layout, "kv") == 0;
+    const int vk = is_str && !kv && PyUnicode_CompareWithASCIIString(layout, "vk") == 0;
+    if (!(kv || vk) || (update != Py_True && update != Py_False)) Py_RETURN_NONE;
+    if (inter != Py_None) {
+        if (Py_TYPE(inter) != T) Py_RETURN_NONE;
+        const int t = fq_hot_truth(PyObject_GetAttr(inter, fq_hot.s_requires_grad));
+        if (t < 0) return NULL;
+        if (t) Py_RETURN_NONE;
+    }
+    if (scale != Py_None && !PyFloat_CheckExact(scale)) Py_RETURN_NONE; /* (the checked path converts it) */
+    PyObject *o = PyObject_CallOneArg(fq_hot.empty_like, v); /* [B, T, HV, V] */
+    if (!o) return NULL;
+    PyObject *argv[14] = {args[0], args[1], v, g, beta, state, o, scale, idx, l2, inter, update, layout, Py_True};
+    PyObject *r = fq_recurrent(self, argv, 7, fq_hot.kwnames);
+    if (!r) {
+        /* refused before anything ran (a non-contiguous array, a bad argument) */
+        const int refused = PyErr_ExceptionMatches(PyExc_ValueError) || PyErr_ExceptionMatches(PyExc_TypeError);
+        Py_DECREF(o);
+        if (!refused) return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(r);
+    /* the autograd versions of what was written in place (flashqla._torch._written) */
+    if (inter == Py_None && update != Py_True) return o; /* nothing written */
+    PyObject *w = inter == Py_None    ? PyTuple_Pack(1, state)
+                  : update == Py_True ? PyTuple_Pack(2, state, inter)
+                                      : PyTuple_Pack(1, inter);
+    r = w ? PyObject_CallOneArg(fq_hot.incver, w) : NULL;
+    Py_XDECREF(w);
+    if (!r) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return o;
+}
+
 PyDoc_STRVAR(fq_commit_doc,
 "commit(state, intermediate_states, num_accepted, *, state_indices=None,\n"
 "       state_layout=\"kv\", stream=None, exchange_api=False) -> None\n\n"
@@ -676,6 +822,9 @@ static PyMethodDef fq_methods[] = {
     {"chunk_bwd", (PyCFunction)(void (*)(void))fq_chunk_bwd, METH_VARARGS | METH_KEYWORDS, fq_chunk_bwd_doc},
     {"recurrent", (PyCFunction)(void (*)(void))fq_recurrent, METH_FASTCALL | METH_KEYWORDS, fq_recurrent_doc},
     {"commit", (PyCFunction)(void (*)(void))fq_commit, METH_FASTCALL | METH_KEYWORDS, fq_commit_doc},
+    {"recurrent_hot", (PyCFunction)(void (*)(void))fq_recurrent_hot, METH_FASTCALL, fq_recurrent_hot_doc},
+    {"recurrent_hot_init", (PyCFunction)(void (*)(void))fq_recurrent_hot_init, METH_FASTCALL,
+     fq_recurrent_hot_init_doc},
     {"workspace_bytes", (PyCFunction)(void (*)(void))fq_workspace_bytes, METH_VARARGS | METH_KEYWORDS,
      fq_workspace_bytes_doc},
     {"dlpack_info", fq_dlpack_info, METH_O,
