@@ -502,7 +502,9 @@ static PyObject *fq_recurrent_hot_init(PyObject *self, PyObject *const *args, Py
         for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(fq_recurrent_args.interned[kw[i]]));
         PyObject *a = PyUnicode_InternFromString("requires_grad"), *b = PyUnicode_InternFromString("dtype");
         if (!a || !b) {
-            Py_XDECREF(a), Py_XDECREF(b), Py_DECREF(t);
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_DECREF(t);
             return NULL;
         }
         fq_hot.s_requires_grad = a, fq_hot.s_dtype = b, fq_hot.kwnames = t;
@@ -567,7 +569,9 @@ static PyObject *fq_recurrent_hot(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *gd = PyObject_GetAttr(g, fq_hot.s_dtype), *bd = gd ? PyObject_GetAttr(beta, fq_hot.s_dtype) : NULL;
     PyObject *qd = bd ? PyObject_GetAttr(q, fq_hot.s_dtype) : NULL;
     const int dtypes_ok = qd && gd == bd && (gd == fq_hot.f32 || gd == qd);
-    Py_XDECREF(gd), Py_XDECREF(bd), Py_XDECREF(qd);
+    Py_XDECREF(gd);
+    Py_XDECREF(bd);
+    Py_XDECREF(qd);
     if (!qd) return NULL;
     if (!dtypes_ok) Py_RETURN_NONE;
     /* indices: a plain tensor (on another device than q the binding refuses them: the
