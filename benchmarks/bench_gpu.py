@@ -739,15 +739,20 @@ class FlashQla:
 
     def bwd_prepare(self, t):
         """The saved context of an autograd forward (its grad_fn: saved tensors, cp_context,
-        cp_cache, scale), exactly what ChunkGatedDeltaRuleFunction.backward reads."""
+        cp_cache, scale), exactly what ChunkGatedDeltaRuleFunction.backward reads, and the
+        forward's outputs, kept alive with it: every FlashQLA bwd row raised "saved tensors
+        after they have already been freed" at 0837fc4 with the context alone (torch 2.11;
+        a toy Function on torch 2.15 keeps its saved tensors without its outputs, so this
+        is a probe, to be read at the next GPU run)."""
         leaves = leaves_of(t)
         with torch.enable_grad():
             o, ht = self.fn(*leaves[:5], scale=t.scale, initial_state=leaves[5], output_final_state=True,
                             cu_seqlens=t.cu32)
-        return o.grad_fn
+        return o.grad_fn, o, ht
 
-    def bwd(self, t, ctx):
+    def bwd(self, t, st):
         """What ChunkGatedDeltaRuleFunction.backward calls, given the forward's context."""
+        ctx = st[0]
         q, k, q_rstd, k_rstd, v, g, beta, A, h0, cu = ctx.saved_tensors
         dq, dk, dv, db, dg, dh0 = self.bwd_fn(
             q=q, k=k, v=v, g=g, beta=beta, A=A, do=t.do, dht=t.dht, scale=ctx.scale, initial_state=h0,
