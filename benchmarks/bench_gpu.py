@@ -25,7 +25,9 @@ Passes and rows (ANCHORS.md):
             torch.autograd.grad([o, ht], inputs, [do, dht]) (= loss.backward() for
             loss = <o, do> + <ht, dht>, without the loss's own elementwise kernels and without
             accumulating into .grad)
-    decode  the recurrent step, 6 rows (flashqla and FLA; FlashQLA has none)
+    decode  the recurrent step, 10 rows (flashqla and FLA; FlashQLA has none): flashqla on a
+            pool with state_indices (serving), and, like FLA's fused_recurrent, which has no
+            indices, on the states themselves ("noidx": slot n for sequence n, no index load)
 
 Inputs for every chunk row: bf16 q, k, v (q and k L2-normalised per head vector), K = V = 128,
 fp32 g = logsigmoid(randn) / 16 with the first quarter of the value heads g = 0, fp32 beta =
@@ -175,6 +177,10 @@ DECODE_ROWS = [
     # issue 11: the vLLM / FlashInfer pool layout [N, HV, V, K] (FLA: state_v_first=True)
     dict(H=16, HV=32, N=1, T=1, state_layout="vk", anchor={}),
     dict(H=16, HV=32, N=64, T=1, state_layout="vk", anchor={}),
+    # the anchor rows' own call: states in and out without a pool index (FLA has none), so
+    # that flashqla's column does no more than FLA's (no dependent index load first)
+    dict(H=16, HV=32, N=1, T=1, indices=False, anchor={"fla_ours": 0.0032, "floor": 0.0010}),
+    dict(H=16, HV=32, N=64, T=1, indices=False, anchor={"fla_ours": 0.0939, "floor": 0.0629}),
 ]
 # issue 11, speculative verify (MTP): T draft tokens per sequence, the state after each written
 # to an intermediate buffer [N, T, HV, K, V], the pool untouched (update_state=False). FLA 0.6.0's
@@ -263,8 +269,9 @@ def floor_ms(flops, nbytes):
 
 def row_label(r):
     if r["pass"] in ("decode", "verify"):
-        return "%s %d/%d N=%d T=%d%s" % (r["pass"], r["H"], r["HV"], r["N"], r["T"],
-                                         " vk" if r.get("state_layout") == "vk" else "")
+        return "%s %d/%d N=%d T=%d%s%s" % (r["pass"], r["H"], r["HV"], r["N"], r["T"],
+                                           " vk" if r.get("state_layout") == "vk" else "",
+                                           " noidx" if r.get("indices") is False else "")
     s = r["seqlens"]
     seq = "+".join(str(x) for x in s) if r.get("layout") == "varlen" else "%dx%d" % (len(s), s[0])
     return "%s%s %d/%d %s" % (r["pass"], "+gates" if r.get("gates") == "fused" else "", r["H"], r["HV"],
@@ -282,7 +289,7 @@ def new_row(pass_, spec):
     if pass_ in ("decode", "verify"):
         flops, nbytes = decode_cost(spec["H"], spec["HV"], spec["N"], spec["T"], pass_ == "verify")
         r.update(seqlens=[spec["T"]] * spec["N"], N=spec["N"], T=spec["T"],
-                 state_layout=spec.get("state_layout", "kv"),
+                 state_layout=spec.get("state_layout", "kv"), indices=spec.get("indices", True),
                  flop_model="decode 7*K*V per token/value head", anchor_ms=spec["anchor"])
         r["errors"]["flash_qla"] = "FlashQLA has no decode step"
         if pass_ == "verify":
@@ -527,7 +534,7 @@ def leaves_of(t):
     return [x.detach().requires_grad_(True) for x in (t.q, t.k, t.v, t.g, t.beta, t.h0)]
 
 
-def make_decode_inputs(H, HV, N, T, gen, device=None, layout="kv", verify=False):
+def make_decode_inputs(H, HV, N, T, gen, device=None, layout="kv", verify=False, indices=True):
     device = device or DEVICE
     t = types.SimpleNamespace(B=N, T=T, H=H, HV=HV, N=N, scale=K_DIM ** -0.5)
     t.q = l2norm_bf16(torch.randn(N, T, H, K_DIM, generator=gen, device=device))
@@ -539,7 +546,8 @@ def make_decode_inputs(H, HV, N, T, gen, device=None, layout="kv", verify=False)
     if layout == "vk":                   # the same states, stored [N, HV, V, K]
         t.state0 = t.state0.transpose(-1, -2).contiguous()
     t.state = t.state0.clone()           # flashqla's pool, updated in place
-    t.indices = torch.arange(N, dtype=torch.int32, device=device)
+    # (indices=False: flashqla takes the states as they are, slot n for sequence n)
+    t.indices = torch.arange(N, dtype=torch.int32, device=device) if indices else None
     t.inter = torch.empty((N, T) + tuple(t.state0.shape[1:]), device=device) if verify else None
     return t
 
@@ -560,7 +568,8 @@ def chunk_sets(pass_, spec, R, device=None, empty=False):
 def decode_sets(spec, R, verify=False):
     gen = torch.Generator(device=DEVICE).manual_seed(2000 + spec["N"] * 3 + spec["T"] + spec["HV"])
     return [make_decode_inputs(spec["H"], spec["HV"], spec["N"], spec["T"], gen,
-                               layout=spec.get("state_layout", "kv"), verify=verify) for _ in range(R)]
+                               layout=spec.get("state_layout", "kv"), verify=verify,
+                               indices=spec.get("indices", True)) for _ in range(R)]
 
 
 def cur_stream():

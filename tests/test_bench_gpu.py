@@ -48,12 +48,14 @@ def dry(tmp_path_factory):
 
 def test_plan_rows_selects_passes(bench):
     counts = {p: len(bench.plan_rows(p)) for p in ("fwd", "bwd", "train", "decode", "verify")}
-    # ANCHORS.md's rows plus issue 11's: 3 fused-gate prefill, 2 [V, K] decode, 3 verify
-    assert counts == {"fwd": 15, "bwd": 5, "train": 5, "decode": 8, "verify": 3}
+    # ANCHORS.md's rows plus issue 11's: 3 fused-gate prefill, 2 [V, K] decode, 3 verify, and
+    # 2 decode rows without pool indices (FLA's own call)
+    assert counts == {"fwd": 15, "bwd": 5, "train": 5, "decode": 10, "verify": 3}
     plan = bench.plan_rows("all")
-    assert len(plan) == 36
+    assert len(plan) == 38
     labels = [bench.spec_label(p, s) for p, s in plan]
     assert "fwd+gates 16/32 1x8192" in labels and "decode 16/32 N=64 T=1 vk" in labels
+    assert "decode 16/32 N=1 T=1 noidx" in labels and "decode 16/32 N=1 T=1" in labels
     assert "verify 16/32 N=64 T=4" in labels and len(set(labels)) == len(labels)
     # each backward shape's "bwd" and "train" rows are adjacent (they share FlashQLA's kernels)
     labels = [bench.spec_label(p, s) for p, s in plan]
@@ -103,7 +105,7 @@ def test_dry_run_json_has_every_column(dry):
         assert lib in res["versions"]
     rows = res["rows"]
     assert [sum(r["pass"] == p for r in rows) for p in ("fwd", "bwd", "train", "decode", "verify")] == \
-        [15, 5, 5, 8, 3]
+        [15, 5, 5, 10, 3]
     for r in rows:
         assert "flash_qla_ms" in r and "flashqla_ms" in r and "fla_ms" in r
         if r["pass"] in ("fwd", "train"):
