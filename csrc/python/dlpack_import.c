@@ -60,6 +60,37 @@ void fq_array_release(fq_array *a)
     memset(a, 0, sizeof *a);
 }
 
+/* Adopts the owning versioned tensor m (its deleter runs in fq_array_release
+ * from here on, also when this fails): the major version flashqla reads
+ * (else only version / manager_ctx / deleter may be read, as the spec asks),
+ * the tensor and its read-only flag. */
+static int fq_array_adopt_versioned(fq_array *a, DLManagedTensorVersioned *m, const char *name)
+{
+    a->versioned = m;
+    if (m->version.major != DLPACK_MAJOR_VERSION) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: DLPack version %u.%u is not supported (flashqla reads major version %d)",
+                     name, (unsigned)m->version.major, (unsigned)m->version.minor, DLPACK_MAJOR_VERSION);
+        return -1;
+    }
+    a->t = &m->dl_tensor;
+    a->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    return 0;
+}
+
+/* Only CPU and CUDA arrays. */
+static int fq_array_check_device(const fq_array *a, const char *name)
+{
+    DLDeviceType dt = a->t->device.device_type;
+    if (dt != kDLCPU && dt != kDLCUDA) {
+        char dev[64];
+        PyErr_Format(PyExc_ValueError, "%s: arrays on %s are not supported (only CPU and CUDA)",
+                     name, fq_device_str(a->t->device, dev, sizeof dev));
+        return -1;
+    }
+    return 0;
+}
+
 /* Takes ownership of the tensor in `capsule` (borrowed): renames the capsule
  * used_* and keeps a reference. From the rename on, fq_array_release must
  * run, also when this function fails afterwards (unsupported version/device). */
@@ -71,18 +102,7 @@ static int fq_array_take_capsule(fq_array *a, PyObject *capsule, const char *nam
         if (!m) return -1;
         if (PyCapsule_SetName(capsule, DLPACK_VERSIONED_TENSOR_USED_NAME) < 0) return -1;
         a->capsule = Py_NewRef(capsule);
-        a->versioned = m;
-        if (m->version.major != DLPACK_MAJOR_VERSION) {
-            /* Only version/manager_ctx/deleter may be read: the deleter runs
-             * in fq_array_release, as the spec asks. */
-            PyErr_Format(PyExc_ValueError,
-                         "%s: DLPack version %u.%u is not supported (flashqla reads major version %d)",
-                         name, (unsigned)m->version.major, (unsigned)m->version.minor,
-                         DLPACK_MAJOR_VERSION);
-            return -1;
-        }
-        a->t = &m->dl_tensor;
-        a->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+        if (fq_array_adopt_versioned(a, m, name) < 0) return -1;
     } else if (PyCapsule_IsValid(capsule, DLPACK_TENSOR_UNUSED_NAME)) {
         DLManagedTensor *m = (DLManagedTensor *)PyCapsule_GetPointer(capsule, DLPACK_TENSOR_UNUSED_NAME);
         if (!m) return -1;
@@ -106,14 +126,7 @@ static int fq_array_take_capsule(fq_array *a, PyObject *capsule, const char *nam
                          name, cname ? cname : "(null)");
         return -1;
     }
-    DLDeviceType dt = a->t->device.device_type;
-    if (dt != kDLCPU && dt != kDLCUDA) {
-        char dev[64];
-        PyErr_Format(PyExc_ValueError, "%s: arrays on %s are not supported (only CPU and CUDA)",
-                     name, fq_device_str(a->t->device, dev, sizeof dev));
-        return -1;
-    }
-    return 0;
+    return fq_array_check_device(a, name);
 }
 
 /* ------------------------------------- the C exchange API (DLPack 1.3) ---- */
@@ -189,25 +202,9 @@ static int fq_array_take_exchange(fq_array *a, PyObject *obj, const DLPackExchan
                 fq_prefix_error(name, "DLPack C exchange API export failed");
             return -1;
         }
-        a->versioned = m; /* from here fq_array_release calls its deleter */
-        if (m->version.major != DLPACK_MAJOR_VERSION) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: DLPack version %u.%u is not supported (flashqla reads major version %d)",
-                         name, (unsigned)m->version.major, (unsigned)m->version.minor,
-                         DLPACK_MAJOR_VERSION);
-            return -1;
-        }
-        a->t = &m->dl_tensor;
-        a->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+        if (fq_array_adopt_versioned(a, m, name) < 0) return -1;
     }
-    DLDeviceType dt = a->t->device.device_type;
-    if (dt != kDLCPU && dt != kDLCUDA) {
-        char dev[64];
-        PyErr_Format(PyExc_ValueError, "%s: arrays on %s are not supported (only CPU and CUDA)",
-                     name, fq_device_str(a->t->device, dev, sizeof dev));
-        return -1;
-    }
-    return 0;
+    return fq_array_check_device(a, name);
 }
 
 PyObject *fq_exchange_api_py(PyObject *self, PyObject *tp)
