@@ -458,12 +458,13 @@ def recurrent_call(q, k, v, g, beta, state, state_indices, scale, cu_seqlens, us
                    intermediate_states, update_state, state_layout, use_gate_in_kernel, A_log,
                    dt_bias, use_beta_sigmoid_in_kernel):
     """gdn_recurrent with its arguments in order (positional arguments cost ~0.5 us
-    less per decode step than keywords): the hot path when the call is of its
-    kind, else the checked path. (flashqla.gdn_recurrent tries recurrent_hot
-    itself, then calls recurrent_checked.)"""
-    if cu_seqlens is None and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel:
-        o = recurrent_hot(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
-                          intermediate_states, update_state, state_layout)
+    less per decode step than keywords): the hot path (recurrent_hot_entry) when
+    the call is of its kind, else the checked path. (flashqla.gdn_recurrent tries
+    the hot path itself, then calls recurrent_checked.)"""
+    if (cu_seqlens is None and not use_gate_in_kernel and not use_beta_sigmoid_in_kernel
+            and not _is_compiling()):
+        o = recurrent_hot_entry(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm,
+                                intermediate_states, update_state, state_layout)
         if o is not None:
             return o
     return recurrent_checked(q, k, v, g, beta, state, state_indices, scale, cu_seqlens,

@@ -277,7 +277,7 @@ template <int K, int NW, int NS, int KS>
 static fq_status fq_bwd_state_launch_ns(const fq_bwd_args &a, int64_t blocks, int V, cudaStream_t stream)
 {
     constexpr int bytes = fq_bwd_state_smem<K, NW, NS, KS>::bytes;
-    static_assert(bytes <= 227 * 1024, "bwd_state: shared memory");
+    static_assert(bytes <= FQ_SMEM_OPTIN_H100, "bwd_state: shared memory");
     const void *fn = (const void *)fq_bwd_state_kernel<K, NW, NS, KS>;
     fq_status st = fq_cuda_set_smem(fn, bytes);
     if (st != FQ_OK) return st;
@@ -296,9 +296,9 @@ static fq_status fq_bwd_state_launch_cfg(const fq_bwd_args &a, int64_t blocks, i
 {
     /* K = 256: a ring stage is 82-93 KB (W, K tiles 33 KB each, dS_local
      * 12-20 KB): 2-deep only */
-    constexpr int NSMAX = fq_bwd_state_smem<K, NW, 4, KS>::bytes <= 227 * 1024   ? 4
-                          : fq_bwd_state_smem<K, NW, 3, KS>::bytes <= 227 * 1024 ? 3
-                                                                                 : 2;
+    constexpr int NSMAX = fq_bwd_state_smem<K, NW, 4, KS>::bytes <= FQ_SMEM_OPTIN_H100 ? 4
+                          : fq_bwd_state_smem<K, NW, 3, KS>::bytes <= FQ_SMEM_OPTIN_H100 ? 3
+                                                                                        : 2;
     const bool two = 2 * (fq_bwd_state_smem<K, NW, 2, KS>::bytes + 1024) <= smem_sm;
     if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS>(a, blocks, V, stream);
     return fq_bwd_state_launch_ns<K, NW, NSMAX, KS>(a, blocks, V, stream);

@@ -495,11 +495,16 @@ static PyObject *fq_recurrent_hot_init(PyObject *self, PyObject *const *args, Py
             return PyErr_Format(PyExc_TypeError, "recurrent_hot_init: argument %d is not callable", i + 1);
     if (!fq_hot.kwnames) {
         /* the keywords recurrent_hot passes to recurrent, as its parser's interned names
-         * (matched by pointer) */
-        static const int kw[] = {7, 8, 10, 11, 12, 13, 21}; /* scale .. state_layout, exchange_api */
+         * (matched by pointer), found by name */
+        static const char *const kw[] = {"scale", "state_indices", "use_qk_l2norm", "intermediate_states",
+                                         "update_state", "state_layout", "exchange_api"};
         PyObject *t = PyTuple_New(7);
         if (!t) return NULL;
-        for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(t, i, Py_NewRef(fq_recurrent_args.interned[kw[i]]));
+        for (int i = 0; i < 7; i++) {
+            int j = 0;
+            while (j < fq_recurrent_args.n && strcmp(fq_recurrent_names[j], kw[i]) != 0) j++;
+            PyTuple_SET_ITEM(t, i, Py_NewRef(fq_recurrent_args.interned[j])); /* (every name is there) */
+        }
         PyObject *a = PyUnicode_InternFromString("requires_grad"), *b = PyUnicode_InternFromString("dtype");
         if (!a || !b) {
             Py_XDECREF(a);
