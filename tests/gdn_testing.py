@@ -165,6 +165,30 @@ def reference_of(inp, *, use_qk_l2norm=False, scale=None, grads=True):
 
 # ---- direct _C runners on NaN-poisoned outputs (torch tensors, CPU or CUDA)
 
+def pool_prefill_matches_gather(args, pool, idx, cu, layout):
+    """flashqla.gdn_chunk through a pool (state=pool, state_indices=idx) against
+    gather -> gdn_chunk -> scatter on torch tensors: o and the pool bit for bit
+    (asserted here). Returns (o, the pool after, the gathered h0, and the
+    gathered call's o and final states)."""
+    import torch
+    import flashqla
+    ok = idx >= 0
+    h0 = torch.zeros((idx.numel(),) + tuple(pool.shape[1:]), device=pool.device)
+    h0[ok] = pool[idx[ok].long()]
+    o_ref, ht = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   state_layout=layout)
+    want = pool.clone()
+    want[idx[ok].long()] = ht[ok]
+    got = pool.clone()
+    o, none = flashqla.gdn_chunk(*args, state=got, state_indices=idx, cu_seqlens=cu, state_layout=layout)
+    if pool.is_cuda:
+        torch.cuda.synchronize()
+    assert none is None
+    assert torch.equal(o, o_ref)
+    assert torch.equal(got, want)
+    return o, got, h0, o_ref, ht
+
+
 def _nan_like_torch(x, shape=None, dtype=None):
     import torch
     return torch.full(tuple(x.shape) if shape is None else shape, float("nan"),

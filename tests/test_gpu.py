@@ -21,7 +21,7 @@ import pytest
 import flashqla
 from flashqla import reference
 from gdn_testing import (GRAD_NAMES, assert_close, c_chunk_bwd, c_chunk_fwd, cast_inputs_torch, gpu_tol,
-                         make_inputs, reference_of, to_f64)
+                         make_inputs, pool_prefill_matches_gather, reference_of, to_f64)
 
 pytestmark = pytest.mark.gpu
 
@@ -321,20 +321,7 @@ def test_cuda_k256_pool_prefill_and_checkpoints(layout):
     tr = (lambda x: x) if layout == "kv" else (lambda x: x.transpose(-1, -2).contiguous())
     pool = tr(torch.randn(7, 4, 256, 256, device="cuda") * 0.5)
     idx = torch.tensor([5, -1, 2, 6, 0], dtype=torch.int32, device="cuda")
-    ok = idx >= 0
-    h0 = torch.zeros((len(seqlens),) + tuple(pool.shape[1:]), device="cuda")
-    h0[ok] = pool[idx[ok].long()]
-    o_ref, ht = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                   state_layout=layout)
-    want = pool.clone()
-    want[idx[ok].long()] = ht[ok]
-    got = pool.clone()
-    o, none = flashqla.gdn_chunk(*args, state=got, state_indices=idx, cu_seqlens=cu,
-                                 state_layout=layout)
-    torch.cuda.synchronize()
-    assert none is None
-    assert torch.equal(o, o_ref)
-    assert torch.equal(got, want)
+    o, got, h0, o_ref, ht = pool_prefill_matches_gather(args, pool, idx, cu, layout)
     f = [to_f64(x) for x in args]
     h0kv = to_f64(tr(h0))
     ro, rht = reference.forward(*f, initial_state=h0kv, cu_seqlens=inp["cu_seqlens"])

@@ -17,7 +17,7 @@ import pytest
 import flashqla
 from flashqla import reference as R
 from gdn_testing import (TOL_BF16_DG, TOL_BF16_GRAD, TOL_BF16_OUT, assert_close, make_inputs,
-                         raw_gates, to_f64)
+                         pool_prefill_matches_gather, raw_gates, to_f64)
 
 pytestmark = pytest.mark.gpu
 
@@ -143,21 +143,8 @@ def test_cuda_pool_prefill_equals_gather_chunk_scatter_bitwise(layout, idx_dtype
     if layout == "vk":
         pool = _vk(pool)
     idx = torch.tensor([5, -1, 2, 8, -1], dtype=idx_dtype, device=DEV)
-    # gather -> gdn_chunk -> scatter
-    h0 = torch.zeros((len(seqlens),) + tuple(pool.shape[1:]), device=DEV)
-    ok = idx >= 0
-    h0[ok] = pool[idx[ok].long()]
-    o_ref, ht = flashqla.gdn_chunk(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                   state_layout=layout)
-    want = pool.clone()
-    want[idx[ok].long()] = ht[ok]
-    got = pool.clone()
-    o, none = flashqla.gdn_chunk(*args, state=got, state_indices=idx, cu_seqlens=cu,
-                                 state_layout=layout)
-    torch.cuda.synchronize()
-    assert none is None
-    assert torch.equal(o, o_ref)
-    assert torch.equal(got, want)
+    # gather -> gdn_chunk -> scatter, bit for bit
+    o, got, h0, _, _ = pool_prefill_matches_gather(args, pool, idx, cu, layout)
     # and against the float64 reference
     h0kv = h0 if layout == "kv" else _vk(h0)
     ro, rht = R.forward(*(to_f64(x) for x in args), initial_state=to_f64(h0kv),
