@@ -20,6 +20,34 @@ def l2n(x):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + EPS)
 
 
+def l_backward(A, dA, L, KKG, b, Gam, Kc):
+    """The steps shared by both backward forms, from dA (A = (I + L)^-1):
+    forward A = (I + L)^-1:  dL = -strict_lower(A^T dA A^T);
+    forward L = strict_lower(diag(b) (K K^T . Gam)):
+        db_r += sum_s dL_rs KKG_rs,  dK += (Hm + Hm^T) K with Hm = diag(b) dL . Gam,
+        dgamma += rowsum(dL . L) - colsum(dL . L).
+    Returns the increments (db, dK, dgamma)."""
+    dL = -(A.T @ dA @ A.T).tril(-1)
+    Hm = b[:, None] * dL * Gam
+    Z = dL * L
+    return (dL * KKG).sum(1), Hm @ Kc + Hm.T @ Kc, Z.sum(1) - Z.sum(0)
+
+
+def finish_qk(dq_part, dk_part, rq, rk, l2norm, H, G):
+    """Stage 6 (qk_group_reduce): the GVA sum of the per-value-head parts, then
+    the L2-norm backward q_hat = q r, r = (|q|^2 + eps)^-1/2:
+    dq = r (dq_hat - q_hat (q_hat . dq_hat)). rq, rk: the raw q, k."""
+    T, _, K = dq_part.shape
+    dq = dq_part.view(T, H, G, K).sum(2)
+    dk = dk_part.view(T, H, G, K).sum(2)
+    if l2norm:
+        for (x, dx) in ((rq, dq), (rk, dk)):
+            r = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) + EPS)
+            xh = x * r
+            dx.copy_(r * (dx - xh * (xh * dx).sum(-1, keepdim=True)))
+    return dq, dk
+
+
 def recurrence(q, k, v, g, beta, scale, h0, l2norm):
     """Token-by-token forward of one sequence. q,k [T,H,K], v [T,HV,V],
     g, beta [T,HV], h0 [HV,K,V]. Returns o [T,HV,V], ht [HV,K,V]."""
@@ -141,15 +169,9 @@ def chunk_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
             db = eg * xw + (AtdU * Vc).sum(1)
             dgam = dgam + b * eg * xw
             dVc = b[:, None] * AtdU
-            # forward: A = (I + L)^-1
-            dL = -(A.T @ dA @ A.T).tril(-1)
-            # forward: L = strict_lower(diag(b) (K K^T . Gam))
-            KKG = (Kc @ Kc.T) * Gam
-            db = db + (dL * KKG).sum(1)
-            Hm = b[:, None] * dL * Gam
-            dK = dK + Hm @ Kc + Hm.T @ Kc
-            Z = dL * L
-            dgam = dgam + Z.sum(1) - Z.sum(0)
+            # forward: A = (I + L)^-1, L = strict_lower(diag(b) (K K^T . Gam))
+            ddb, ddK, ddgam = l_backward(A, dA, L, (Kc @ Kc.T) * Gam, b, Gam, Kc)
+            db, dK, dgam = db + ddb, dK + ddK, dgam + ddgam
             # gamma = cumsum(g): dg = reverse cumsum(dgamma)
             dg[t0:t1, j] = torch.flip(torch.cumsum(torch.flip(dgam, [0]), 0), [0])
             dbeta[t0:t1, j] = db
@@ -157,13 +179,7 @@ def chunk_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
             dq_part[t0:t1, j] = dQ
             dk_part[t0:t1, j] = dK
     # ---- stage 6 (qk_group_reduce): GVA sum, l2norm backward
-    dq = dq_part.view(T, H, G, K).sum(2)
-    dk = dk_part.view(T, H, G, K).sum(2)
-    if l2norm:
-        for (x, dx) in ((rq, dq), (rk, dk)):
-            r = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) + EPS)
-            xh = x * r
-            dx.copy_(r * (dx - xh * (xh * dx).sum(-1, keepdim=True)))
+    dq, dk = finish_qk(dq_part, dk_part, rq, rk, l2norm, H, G)
     return dq, dk, dv, dg, dbeta, dh0
 
 

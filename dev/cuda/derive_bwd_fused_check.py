@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import derive_bwd_check  # noqa: E402
-from derive_bwd_check import EPS, l2n  # noqa: E402
+from derive_bwd_check import finish_qk, l2n, l_backward  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 
@@ -110,12 +110,8 @@ def fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
             db = (A * dA2).sum(0)
             dA = dA2 * b[None, :]
             # A = (I + L)^-1, L = strict_lower(diag(beta) (K K^T . Gamma))
-            dL = -(A.T @ dA @ A.T).tril(-1)
-            db = db + (dL * KKG).sum(1)
-            Hm = b[:, None] * dL * Gam
-            dK = dK + Hm @ Kc + Hm.T @ Kc
-            ZL = dL * L
-            dgam = dgam + ZL.sum(1) - ZL.sum(0)
+            ddb, ddK, ddgam = l_backward(A, dA, L, KKG, b, Gam, Kc)
+            db, dK, dgam = db + ddb, dK + ddK, dgam + ddgam
             # gamma = cumsum(g)
             dg[t0:t1, j] = torch.flip(torch.cumsum(torch.flip(dgam, [0]), 0), [0])
             dbeta[t0:t1, j] = db
@@ -124,13 +120,7 @@ def fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
             dk_part[t0:t1, j] = dK
             dSn = dS                                        # the previous chunk's dS'
         dh0[j] = dSn
-    dq = dq_part.view(T, H, G, K).sum(2)
-    dk = dk_part.view(T, H, G, K).sum(2)
-    if l2norm:
-        for (x, dx) in ((rq, dq), (rk, dk)):
-            r = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) + EPS)
-            xh = x * r
-            dx.copy_(r * (dx - xh * (xh * dx).sum(-1, keepdim=True)))
+    dq, dk = finish_qk(dq_part, dk_part, rq, rk, l2norm, H, G)
     return dq, dk, dv, dg, dbeta, dh0
 
 
