@@ -264,7 +264,10 @@ __global__ void __launch_bounds__(384, 1)
     const fq_seg_info si = args.segs[gs];
     if (tid == 0) FQ_TL(1);
     /* (block-uniform exits, before any role split) */
-    if (si.seq < 0 || (MAP && si.index == si.count - 1)) return;
+    if (si.seq < 0 || (MAP && si.index == si.count - 1)) {
+        if (ready && tid == 0) fq_pdl_wait(); /* (beside: every block waits for stage A before it completes) */
+        return;
+    }
     const int nch = si.nchunks;
 
     if (wg == 0) {
