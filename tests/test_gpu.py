@@ -113,6 +113,37 @@ def test_cuda_forward_and_backward_are_bitwise_deterministic_over_100_runs():
             assert torch.equal(a, b), f"run {run + 2}: {name} differs from run 1"
 
 
+@pytest.mark.parametrize("K, H, HV, T, l2norm", [(128, 16, 32, 1000, False), (64, 24, 48, 333, True)])
+def test_cuda_stage_a_beside_the_state_pass_matches_reference_and_the_batched_bits(K, H, HV, T, l2norm):
+    # issue 7: one sequence with enough value heads for no context parallelism
+    # (HV (K + V) / 64 > 80) and at most half the SMs of state-pass CTAs runs
+    # stage A beside the state pass (fq_cuda_fwd_beside: per-chunk ready flags);
+    # the same sequence packed after another one (twice the CTAs) runs the two one
+    # after the other. Both against the float64 reference, and the sequence's bits
+    # the same both ways.
+    if torch.cuda.get_device_properties(0).multi_processor_count < 2 * HV * (K // 64):
+        pytest.skip("too few SMs for stage A beside the state pass")
+    inp, t = _inputs(_case(1, T, H, HV, K, K, l2norm=l2norm))
+    o1, ht1 = c_chunk_fwd(t, use_qk_l2norm=l2norm)
+    torch.cuda.synchronize()
+    ref = reference_of(t, use_qk_l2norm=l2norm, grads=False)
+    assert_close("o", o1, ref["o"], gpu_tol("o"))
+    assert_close("final_state", ht1, ref["ht"], gpu_tol("ht"))
+    lead = 200  # another sequence before it
+    _, tb = _inputs(_case(1, 0, H, HV, K, K, l2norm=l2norm, seqlens=[lead, T]), seed=5)
+    for n in ("q", "k", "v", "g", "beta"):
+        tb[n][:, lead:] = t[n]
+    tb["h0"][1] = t["h0"][0]
+    o2, ht2 = c_chunk_fwd(tb, use_qk_l2norm=l2norm)
+    torch.cuda.synchronize()
+
+    def bits(x):
+        return x.contiguous().view(torch.uint8)
+
+    assert torch.equal(bits(o1[0]), bits(o2[0, lead:]))
+    assert torch.equal(bits(ht1[0]), bits(ht2[1]))
+
+
 def test_cuda_matches_cpu_backend_fp32():
     """The same float32 inputs on both backends agree to the GPU budget."""
     inp, t = _inputs(_case(1, 500, 2, 4, 128, 128, dtype="float32", seqlens=[100, 400]))

@@ -408,6 +408,10 @@ typedef struct fq_fwd_ws {
                                 (NULL when nseg_max == 1)                    */
     float *ss;               /* [seg_bound, HV, K, V] segment start states
                                 (NULL when nseg_max == 1)                    */
+    int *ready;              /* fused forward: [nc_max, HV] stage A's flags, set
+                                per (chunk, value head) when its A'' and record
+                                are written (read only when stage A runs beside
+                                the state pass: fq_cuda_fwd_beside)          */
 } fq_fwd_ws;
 
 #ifdef __cplusplus
@@ -436,11 +440,25 @@ int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
  * running this module's sm_90a code, K and V in {64, 128} (never K = 256:
  * the three-stage forward runs it). */
 int fq_cuda_fwd_fused_available(const fq_gdn_params *p);
+/* Stage A beside the state pass: when the fused forward's FULL pass has at
+ * most half as many CTAs as the device has SMs (no context parallelism, few
+ * chains: one or two long sequences) and programmatic dependent launch is
+ * on, stage A runs at once with it on the SMs it leaves free, and the state
+ * pass waits per chunk for stage A's flag (ws->ready) instead of for the
+ * whole of stage A. Returns the number of stage A blocks for that (one per
+ * free SM, 4 workers each), or 0: the kernels run one after the other. */
+int fq_cuda_fwd_beside(const fq_gdn_params *p, const fq_fwd_ws *ws);
 /* Stage A of the fused forward: gamma, A = (I+L)^-1 (as A diag(beta), bf16,
- * into ws->a) and the gate record ws->rec per (chunk, value head). */
-fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* The fused state pass and outputs: o and, if non-NULL, ht. */
-fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+ * into ws->a) and the gate record ws->rec per (chunk, value head). beside:
+ * fq_cuda_fwd_beside's block count (0: as a kernel of its own); then it sets
+ * ws->ready per item and lets the state pass launch once all its blocks run. */
+fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);
+/* The segment table (and, beside, ws->ready cleared): the first kernel of
+ * the fused forward's passes, before stage A when it runs beside them. */
+fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);
+/* The fused state pass and outputs: o and, if non-NULL, ht (after
+ * fq_cuda_fwd_segments). beside: stage A runs beside it (poll ws->ready). */
+fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);
 
 /* FQ_OK unless K = 256 and the current device offers less than
  * FQ_SMEM_OPTIN_H100 of shared memory per block (a ValueError naming k). */
@@ -559,6 +577,33 @@ static __device__ __forceinline__ void fq_pdl_trigger(void)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+/* A ready flag between two kernels that run at once (the fused forward's
+ * stage A beside its state pass, gdn_cuda_fwd_fused.cu): the writer's
+ * threads store, meet at a barrier, then one of them publishes with
+ * fq_flag_publish (a gpu-scope fence, then the flag); the reader spins on
+ * fq_flag_ready (an acquire load) before it reads what the flag covers. */
+static __device__ __forceinline__ void fq_flag_publish(int *flag)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    __threadfence();
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
+#else
+    __threadfence();
+    *(volatile int *)flag = 1;
+#endif
+}
+static __device__ __forceinline__ int fq_flag_ready(const int *flag)
+{
+    int v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+#else
+    v = *(const volatile int *)flag;
+    __threadfence();
+#endif
+    return v;
 }
 
 #ifdef __cplusplus

@@ -166,6 +166,7 @@ extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base
         ws->md = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * (K + V)) * 4);
         ws->ss = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * V) * 4);
     }
+    ws->ready = (int *)fq_carve(base, &off, (size_t)(nc * HV) * 4);
     return off;
 }
 
@@ -413,8 +414,18 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     fq_status st;
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st; /* [serving] */
-    if ((st = fq_cuda_fwd_inverse(p, &ws, stream)) != FQ_OK) return st;
-    if ((st = fq_cuda_fwd_fused(p, &ws, stream)) != FQ_OK) return st;
+    /* A. stage A, then the segment table and the passes; or, beside
+     * (fq_cuda_fwd_beside), the segment table first and stage A at once with
+     * the state pass */
+    const int beside = fq_cuda_fwd_beside(p, &ws);
+    if (beside) {
+        if ((st = fq_cuda_fwd_segments(p, &ws, 1, stream)) != FQ_OK) return st;
+        if ((st = fq_cuda_fwd_inverse(p, &ws, beside, stream)) != FQ_OK) return st;
+    } else {
+        if ((st = fq_cuda_fwd_inverse(p, &ws, 0, stream)) != FQ_OK) return st;
+        if ((st = fq_cuda_fwd_segments(p, &ws, 0, stream)) != FQ_OK) return st;
+    }
+    if ((st = fq_cuda_fwd_fused(p, &ws, beside != 0, stream)) != FQ_OK) return st;
     return fq_cuda_fwd_poison(p, &ws, stream);
 }
 

@@ -186,7 +186,7 @@ template <int K, int MODE>
 __global__ void __launch_bounds__(384, 1)
     fq_fwd_fused_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
-                        const fq_fused_args args)
+                        const fq_fused_args args, const int *ready)
 {
 #if FQ_SM90A
     typedef fq_fused_smem<K> SM;
@@ -256,12 +256,18 @@ __global__ void __launch_bounds__(384, 1)
     }
     fq_fence_async_smem(); /* (read by wgmma) */
     __syncthreads();
-    /* the segment table, A'' and the record come from the kernels before */
-    fq_pdl_wait();
+    /* the segment table, A'' and the record come from the kernels before;
+     * ready (stage A beside this pass, fq_cuda_fwd_beside): the kernels before
+     * stage A completed before this one launched, and each chunk's A'' and
+     * record are waited for by their flag (the producer, below) */
+    if (!ready) fq_pdl_wait();
     const fq_seg_info si = args.segs[gs];
     if (tid == 0) FQ_TL(1);
     /* (block-uniform exits, before any role split) */
-    if (si.seq < 0 || (MAP && si.index == si.count - 1)) return;
+    if (si.seq < 0 || (MAP && si.index == si.count - 1)) {
+        if (ready && tid == 0) fq_pdl_wait(); /* (beside: every block waits for stage A before it completes) */
+        return;
+    }
     const int nch = si.nchunks;
 
     if (wg == 0) {
@@ -273,6 +279,13 @@ __global__ void __launch_bounds__(384, 1)
                 if (i >= FQ_FUSED_STAGES) fq_mbar_wait(&empty[s], ((i / FQ_FUSED_STAGES) - 1) & 1);
                 unsigned char *st = smem + s * SM::stage;
                 const int row = si.bos + 64 * i;
+                if (!MAP && ready) {
+                    /* stage A's flag for the chunk's A'' and record (generic-proxy stores of
+                     * another SM, read below by bulk copies: the async proxy) */
+                    const int *f = ready + (int64_t)(si.chunk0 + i) * HV + j;
+                    while (!fq_flag_ready(f)) __nanosleep(64);
+                    fq_fence_proxy_async_global();
+                }
                 /* MAP: no Q (no outputs), no V for an M block (v = 0 there) */
                 fq_mbar_arrive_tx(&full[s], MAP ? (uint32_t)(KT + 1 - mblk) * FQ_TILE + FQ_APACK_BYTES + SM::rec_bytes
                                                 : SM::load_bytes);
@@ -290,6 +303,8 @@ __global__ void __launch_bounds__(384, 1)
                                  args.a + ((int64_t)(si.chunk0 + i) * HV + j) * FQ_APACK_ELEMS + fq_apack_step_bytes(kk) / 2,
                                  (8 - 2 * kk) * 256, &full[s]);
             }
+            /* (beside: this grid completes only after stage A, as after a wait at its start) */
+            if (ready) fq_pdl_wait();
         } else if (tid >= 32) {
             /* checker, warps 1..3 (issue 9: causality for V, which stage A
              * does not read): fv = the chunk's first row with a non-finite v
@@ -780,13 +795,15 @@ extern "C" int fq_cuda_fwd_nseg_max(const fq_gdn_params *p)
  * names (as the three-stage state pass does). */
 __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info *seqs, int N, int nseg_max,
                                                                int seg_bound, fq_seg_info *segs, const void *idx,
-                                                               int idx64, int64_t P)
+                                                               int idx64, int64_t P, int *ready, int64_t nready)
 {
     __shared__ int s_warp[32];
     __shared__ int s_carry;
     fq_pdl_trigger();
     fq_pdl_wait();
     const int tid = threadIdx.x, nth = blockDim.x;
+    /* stage A's flags, before stage A (beside the state pass) sets them */
+    for (int64_t x = tid; x < nready; x += nth) ready[x] = 0;
     if (tid == 0) s_carry = 0;
     __syncthreads();
     for (int base = 0; base < N; base += nth) {
@@ -983,7 +1000,7 @@ static fq_status fq_fused_maps_of(const fq_gdn_params *p, const fq_fwd_ws *ws, f
 
 template <int K, int MODE>
 static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m,
-                                 cudaStream_t stream)
+                                 const int *ready, cudaStream_t stream)
 {
     fq_fused_args args;
     args.segs = ws->segs;
@@ -1011,35 +1028,62 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_fused_kernel<K, MODE>, bytes);
     if (st != FQ_OK) return st;
     return fq_launch_k(fq_fwd_fused_kernel<K, MODE>, (unsigned)blocks, 384, bytes, stream, fq_cuda_pdl_enabled(), m.q,
-                       m.k, m.v, m.o, args);
+                       m.k, m.v, m.o, args, ready);
 }
 
 template <int K>
-static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream)
 {
     if (ws->seg_bound <= 0) return FQ_OK;
     fq_status st;
     fq_fused_maps m;
     if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
     const int pdl = fq_cuda_pdl_enabled();
-    if ((st = fq_launch_k(fq_fwd_segments_kernel, 1, 1024, 0, stream, pdl, (const fq_seq_info *)ws->seqs, (int)p->N,
-                          ws->nseg_max, (int)ws->seg_bound, ws->segs, p->state ? p->state_indices : (const void *)NULL,
-                          p->state_indices_is_int64, (int64_t)p->P)) != FQ_OK)
-        return st;
-    if (ws->nseg_max > 1) {
-        if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, stream)) != FQ_OK) return st;
+    if (ws->nseg_max > 1) { /* (never beside: fq_cuda_fwd_beside) */
+        if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, NULL, stream)) != FQ_OK) return st;
         const unsigned cgrid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
         if ((st = fq_launch_k(fq_fwd_cp_combine_kernel<K>, cgrid, K, 0, stream, pdl, (const fq_seg_info *)ws->segs,
                               (const float *)ws->md, (const float *)(p->state ? p->state : p->h0), ws->ss,
                               (int)p->HV, (int)p->V, (int)p->state_vk)) != FQ_OK)
             return st;
     }
-    return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, stream);
+    return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, beside ? ws->ready : NULL, stream);
 }
 
-extern "C" fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+extern "C" fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream)
 {
-    if (p->K == 128) return fq_fwd_fused_k<128>(p, ws, stream);
-    if (p->K == 64) return fq_fwd_fused_k<64>(p, ws, stream);
+    if (p->K == 128) return fq_fwd_fused_k<128>(p, ws, beside, stream);
+    if (p->K == 64) return fq_fwd_fused_k<64>(p, ws, beside, stream);
     return fq_cuda_head_dims_unsupported(p);
+}
+
+extern "C" fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream)
+{
+    if (ws->seg_bound <= 0) return FQ_OK;
+    return fq_launch_k(fq_fwd_segments_kernel, 1, 1024, 0, stream, fq_cuda_pdl_enabled(), (const fq_seq_info *)ws->seqs,
+                       (int)p->N, ws->nseg_max, (int)ws->seg_bound, ws->segs,
+                       p->state ? p->state_indices : (const void *)NULL, p->state_indices_is_int64, (int64_t)p->P,
+                       beside ? ws->ready : (int *)NULL, (int64_t)(beside ? ws->nc_max * p->HV : 0));
+}
+
+/* Stage A beside the state pass (gdn_cuda_common.cuh). Only where the FULL
+ * pass leaves at least half of the SMs free: stage A on fewer SMs takes
+ * longer (here ~2x on half of them), and it must stay ahead of the chains,
+ * which take chunk after chunk at ~1.4 us while stage A finishes a chunk of
+ * every head in well under that. FQ_BESIDE=0 (a -D of a dev build) turns it
+ * off for A/B runs. */
+#ifndef FQ_BESIDE
+#define FQ_BESIDE 1
+#endif
+extern "C" int fq_cuda_fwd_beside(const fq_gdn_params *p, const fq_fwd_ws *ws)
+{
+    if (!FQ_BESIDE || ws->nseg_max > 1 || ws->seg_bound <= 0 || !fq_cuda_pdl_enabled()) return 0;
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    const int64_t items = ws->seg_bound * p->HV * (p->V / 64);
+    if (items > sms / 2) return 0;
+    return sms - (int)items;
 }

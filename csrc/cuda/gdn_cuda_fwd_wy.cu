@@ -913,6 +913,8 @@ template <int K> struct fq_inv_smem {
     static constexpr int off_kkt = off_bad + 16;
     static constexpr int bytes = off_kkt + (kkt_in_k ? 0 : kkt_bytes);
 };
+/* one worker's share of a block of several (its K tiles keep their 16-byte alignment) */
+template <int K> static __host__ __device__ constexpr int fq_inv_worker_bytes() { return (fq_inv_smem<K>::bytes + 127) / 128 * 128; }
 
 
 /* d (+)= a b for a 16x16 left factor a (A fragment) and the 16 x 8n right
@@ -1083,17 +1085,28 @@ static __device__ __forceinline__ int fq_inv_l_fast(float (*l)[4], const float *
     return chk == 0.f;
 }
 
+/* The barrier of one stage A worker: its 128 threads (a block of G workers,
+ * worker w = threadIdx.x / 128, meets at named barrier 1 + w; G = 1: the
+ * whole block). */
+template <int G>
+static __device__ __forceinline__ void fq_inv_sync(void)
+{
+    if (G == 1) __syncthreads();
+    else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (int)(threadIdx.x >> 7)) : "memory");
+}
+
 /* One item (chunk, value head j): the warp's block row of K K^T (kkt, this
  * warp's fragments), gate vectors and A (its blocks above the diagonal zero)
- * in shared memory, 128 threads.
- * Writes A'' and the record of `item`. */
-template <int K>
+ * in shared memory, the 128 threads of one worker.
+ * Writes A'' and the record of `item` (and, beside the state pass, sets its
+ * ready flag once both are written). */
+template <int K, int G>
 static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
                                                    const float4 *kkt, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
-                                                   float *gam, float *bet, float *rkv, const float *rqv)
+                                                   float *gam, float *bet, float *rkv, const float *rqv, int *ready)
 {
     typedef fq_inv_smem<K> SM;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = G > 1 ? threadIdx.x & 127 : threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
      * row, column blocks 0..w, in mma accumulators l[n] (n8 block n) */
@@ -1231,7 +1244,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
 #pragma unroll
         for (int q = 0; q < 2; q++) Aw[(8 + i0 + 4 * q) * SM::LDA + c] = __float2bfloat16_rn(xo[q]);
     }
-    __syncthreads();
+    fq_inv_sync<G>();
 
     /* level 1: A_w,w-1 = -D_w (L_w,w-1 D_w-1), warps 1 and 3 */
     float a32[2][4]; /* warp 3: A_32 */
@@ -1254,7 +1267,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
 #pragma unroll
             for (int e = 0; e < 4; e++) a32[n][e] = -y[n][e];
     }
-    __syncthreads();
+    fq_inv_sync<G>();
 
     /* level 2: T_w = [L_w0 L_w1] Inv0 (Inv0 = A[0:32, 0:32], upper block zero),
      * then A_2. = -D_2 T_2 (warp 2), A_3. = -(A_32 T_2 + D_3 T_3) (warp 3) */
@@ -1270,10 +1283,10 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         }
         fq_inv_store_c<4>(Xw, SM::LDX, 0, t, 1.f);
     }
-    /* T_2 (warp 2's scratch) visible to warp 3: a block barrier (warps 0 and 1
-     * have nothing left to do here; a named barrier of warps 2 and 3 alone
-     * made racecheck misorder the items of a block) */
-    __syncthreads();
+    /* T_2 (warp 2's scratch) visible to warp 3: the worker's barrier (warps 0
+     * and 1 have nothing left to do here; a named barrier of warps 2 and 3
+     * alone made racecheck misorder the items of a block) */
+    fq_inv_sync<G>();
     if (warp >= 2) {
         const fq_bf16 *X2 = Xs + 2 * 16 * SM::LDX;
         float y[4][4];
@@ -1288,7 +1301,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         }
         fq_inv_store_c<4>(Ab + 16 * warp * SM::LDA, SM::LDA, 0, y, -1.f);
     }
-    __syncthreads();
+    fq_inv_sync<G>();
 
     /* f = the first bad row (64: none): columns c >= f of A'' are zero, the
      * record poisons rows r >= f (the header) */
@@ -1350,10 +1363,16 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         if (tid < 4)
             rec[FQ_REC_EC + tid] = tid == 0 ? (f < 64 ? nan : __expf(gam[63])) : tid == 1 ? (float)f : 0.f;
     }
+    if (G > 1 && ready) { /* beside the state pass: every thread's stores of A'' and the record, then the flag */
+        fq_inv_sync<G>();
+        if (tid == 0) fq_flag_publish(ready + item);
+    }
 }
 
-/* Persistent: grid min(kitems, SMs x 4) blocks loop over the key items
- * ki = (chunk, q/k head hq) = blockIdx.x, blockIdx.x + gridDim.x, ...; each
+/* Persistent: grid min(kitems, SMs x 4) workers of 128 threads (G per block:
+ * 1, or 4 beside the state pass, so that a block fills an SM and leaves the
+ * others to the state pass) loop over the key items
+ * ki = (chunk, q/k head hq) = worker, worker + workers, ...; each
  * key item is R = HV / H items (chunk, value head j = hq R + i), i = 0..R-1,
  * that share its K tile and K K^T (GVA): the tile is loaded once (cp.async,
  * double-buffered: the next key item's is in flight meanwhile), K K^T formed
@@ -1361,21 +1380,31 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
  * only the gates, L, the inverse and the stores differ. The next item's gates
  * (raw, in registers of warp 0) are loaded while the current one is computed,
  * the chunk table two key items ahead. */
-template <int K>
-__global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args, int kitems)
+template <int K, int G>
+__global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_args args, int kitems, int *ready)
 {
     typedef fq_inv_smem<K> SM;
-    extern __shared__ __align__(16) unsigned char smem[];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *smem = smem_raw; /* this worker's */
+    if (G > 1) smem += (threadIdx.x >> 7) * fq_inv_worker_bytes<K>();
     fq_bf16 *Ab = (fq_bf16 *)(smem + SM::off_a);
     fq_bf16 *Xs = (fq_bf16 *)(smem + SM::off_x);
     float *Ld = (float *)(smem + SM::off_d);
     float *gam = (float *)(smem + SM::off_vec);
     float *bet = gam + 64, *rkv = gam + 128, *rqv = gam + 192;
     const int HV = args.HV, H = args.H, R = HV / H;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int stride = gridDim.x;
-    fq_pdl_trigger();
-    fq_pdl_wait();
+    const int tid = G > 1 ? threadIdx.x & 127 : threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int stride = gridDim.x * G;
+    if (G > 1 && ready) {
+        /* beside the state pass: it launches once every block has started (so
+         * that every worker it waits for is resident) and the kernels before
+         * this one have completed (it reads their outputs without a wait) */
+        fq_pdl_wait();
+        fq_pdl_trigger();
+    } else {
+        fq_pdl_trigger();
+        fq_pdl_wait();
+    }
     /* A starts as zeros; every item writes all of its blocks on and below the
      * diagonal, so the blocks above it stay zero */
     for (int idx = tid; idx < 64 * SM::LDA / 8; idx += 128) ((uint4 *)Ab)[idx] = make_uint4(0, 0, 0, 0);
@@ -1397,7 +1426,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
     };
     /* the chunk table is read two key items ahead, the gates one item ahead,
      * so that no load is waited for where it is issued */
-    int ki = blockIdx.x, hq = ki % H;
+    int ki = blockIdx.x * G + (G > 1 ? threadIdx.x >> 7 : 0), hq = ki % H;
     fq_chunk_info ci = chunk_of(ki), cn = chunk_of(ki + stride);
     issue(ci, hq, 0);
     fq_cp_async_commit();
@@ -1410,7 +1439,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
         const int64_t item0 = (int64_t)(ki / H) * HV + hq * R; /* (chunk, value head hq R) */
 #pragma unroll 1
         for (int i = 0; i < R; i++) {
-            __syncthreads(); /* the previous item is done with A, the scratch, the vectors (and buffer buf ^ 1) */
+            fq_inv_sync<G>(); /* the previous item is done with A, the scratch, the vectors (and buffer buf ^ 1) */
             if (i == 0) {
                 issue(cn, nhq, buf ^ 1);
                 fq_cp_async_commit();
@@ -1421,7 +1450,7 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
                 else fq_inv_gates(args, cn, nhq * R, nhq, gx);
             }
             if (i == 0) fq_cp_async_wait<1>(); /* this key item's K tile */
-            __syncthreads();
+            fq_inv_sync<G>();
             if (ci.seq < 0) continue; /* block-uniform */
             /* this key item's K K^T: warp w's block row as fp32 fragments (K = 128: in place of the K tile) */
             float4 *kkt = (float4 *)(smem + (!SM::kkt_in_k ? SM::off_kkt : buf ? SM::off_k1 : SM::off_k)) + warp * 8 * 32;
@@ -1435,12 +1464,12 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
                 case 2: fq_kkt_block_row<K, SM::LDK, 2>(l, Ks, 2); break;
                 default: fq_kkt_block_row<K, SM::LDK, 3>(l, Ks, 3); break;
                 }
-                __syncthreads(); /* every warp is done reading the K tile (which the fragments may replace) */
+                fq_inv_sync<G>(); /* every warp is done reading the K tile (which the fragments may replace) */
 #pragma unroll
                 for (int n = 0; n < 8; n++) kkt[32 * n + lane] = make_float4(l[n][0], l[n][1], l[n][2], l[n][3]);
                 /* (each lane reads back only what it wrote) */
             }
-            fq_inv_item<K>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, bet, rkv, rqv);
+            fq_inv_item<K, G>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, bet, rkv, rqv, ready);
         }
         ci = cn;
         cn = cnn;
@@ -1449,24 +1478,36 @@ __global__ void __launch_bounds__(128, 4) fq_fwd_inverse_kernel(fq_wy_args args,
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
 
+/* beside: that many blocks of 4 workers (fq_cuda_fwd_beside), one per SM by
+ * their shared memory; 0: blocks of one worker, as many as fit. */
 template <int K>
-static fq_status fq_launch_inverse(const fq_wy_args &args, int kitems, cudaStream_t stream)
+static fq_status fq_launch_inverse(const fq_wy_args &args, int kitems, int beside, int *ready, cudaStream_t stream)
 {
+    if (beside > 0) {
+        const int bytes = 4 * fq_inv_worker_bytes<K>();
+        fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K, 4>, bytes);
+        if (st != FQ_OK) return st;
+        int grid = beside;
+        if ((int64_t)grid * 4 > kitems) grid = (kitems + 3) / 4;
+        return fq_launch_k(fq_fwd_inverse_kernel<K, 4>, (unsigned)grid, 512, bytes, stream, fq_cuda_pdl_enabled(),
+                           args, kitems, ready);
+    }
     int bytes = fq_inv_smem<K>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K>, bytes);
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K, 1>, bytes);
     if (st != FQ_OK) return st;
     int dev = 0, sms = 0, per_sm = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_inverse_kernel<K>, 128, bytes));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_inverse_kernel<K, 1>, 128, bytes));
     if (per_sm < 1) per_sm = 1;
     int grid = sms * per_sm;
     if (grid > kitems) grid = kitems;
-    return fq_launch_k(fq_fwd_inverse_kernel<K>, (unsigned)grid, 128, bytes, stream, fq_cuda_pdl_enabled(), args,
-                       kitems);
+    return fq_launch_k(fq_fwd_inverse_kernel<K, 1>, (unsigned)grid, 128, bytes, stream, fq_cuda_pdl_enabled(), args,
+                       kitems, (int *)NULL);
 }
 
-extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside,
+                                         cudaStream_t stream)
 {
     /* key items (chunk, q/k head); int indices in the kernel: kitems + its grid < 2^31 */
     const int64_t kitems = ws->nc_max * p->H;
@@ -1476,8 +1517,9 @@ extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws
                        (long long)ws->nc_max, (long long)p->H);
     fq_wy_args args = fq_wy_args_of(p, ws);
     args.rec = ws->rec;
-    if (p->K == 128) return fq_launch_inverse<128>(args, (int)kitems, stream);
-    if (p->K == 64) return fq_launch_inverse<64>(args, (int)kitems, stream);
+    int *ready = beside > 0 ? ws->ready : NULL; /* (a kernel argument of its own: in fq_wy_args it changed the code) */
+    if (p->K == 128) return fq_launch_inverse<128>(args, (int)kitems, beside, ready, stream);
+    if (p->K == 64) return fq_launch_inverse<64>(args, (int)kitems, beside, ready, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 

@@ -320,6 +320,14 @@ static __device__ __forceinline__ void fq_bulk_wait0(void)
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
+/* Orders this thread's earlier generic-proxy view of global memory (an
+ * acquire, say) before its later async-proxy accesses (TMA, bulk copies). */
+static __device__ __forceinline__ void fq_fence_proxy_async_global(void)
+{
+#if FQ_SM90A
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
 static __device__ __forceinline__ void fq_tma_prefetch_desc(const void *tmap)
 {
 #if FQ_SM90A

@@ -611,8 +611,10 @@ static void run_stage(fq_gdn_params *p, const fq_fwd_ws *ws, int what)
     case 6: st = fq_cuda_fwd_state_tiled(p, ws, (float *)p->ht, g_time_bv, g_time_ks, s); break;
     case 8: st = fq_cuda_recurrent(p); break;
     case 9: st = fq_cuda_fwd_output(p, ws, s); break;
-    case 10: st = fq_cuda_fwd_inverse(p, ws, s); break;
-    case 11: st = fq_cuda_fwd_fused(p, ws, s); break;
+    case 10: st = fq_cuda_fwd_inverse(p, ws, 0, s); break; /* (alone: the total runs it beside the state pass where it can) */
+    case 11:
+        if ((st = fq_cuda_fwd_segments(p, ws, 0, s)) == FQ_OK) st = fq_cuda_fwd_fused(p, ws, 0, s);
+        break;
     case 12: /* the three-stage forward, as on GPUs without the fused kernel */
         if ((st = fq_cuda_fwd_prepare(p, ws, s)) == FQ_OK && (st = fq_cuda_fwd_wy(p, ws, s)) == FQ_OK &&
             (st = fq_cuda_fwd_state(p, ws, (float *)p->ht, 0, s)) == FQ_OK)
@@ -729,7 +731,7 @@ static void check_inverse(int K, int l2norm)
     fq_cuda_fwd_fused_ws_layout(&p, d.ws, &wf);
     CK(cudaMemset(wf.a, 0xff, nit * FQ_APACK_BYTES));
     if (st == FQ_OK) st = fq_cuda_fwd_prepare(&p, &wf, 0);
-    if (st == FQ_OK) st = fq_cuda_fwd_inverse(&p, &wf, 0);
+    if (st == FQ_OK) st = fq_cuda_fwd_inverse(&p, &wf, 0, 0);
     CK(cudaDeviceSynchronize());
     char name[96];
     snprintf(name, sizeof name, "stage A inverse vs blocked, K=%d%s, varlen", K, l2norm ? " l2norm" : "");
@@ -823,6 +825,8 @@ static void chunk_suite(int quick, int tiny, int race)
         check_chunk("  K=V=64 T=100", x, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
         x.K = 256; x.V = 256; x.HV = 2; x.H = 1;
         check_chunk("  K=V=256 T=100 HV=2", x, 16.0, 0, 5e-3, CFG_K256, NCFG(CFG_K256));
+        x = b; x.B = 1; x.H = 16; x.HV = 32; x.T = 200; /* stage A beside the state pass */
+        check_chunk("  beside T=200 H=16 HV=32", x, 16.0);
         return;
     }
     {
@@ -847,6 +851,18 @@ static void chunk_suite(int quick, int tiny, int race)
         x.cu = {0, 1000, 3100, 3200}; x.T = 3200; check_chunk("cp varlen 1000,2100,100", x, 16.0);
         x.cu.clear(); x.K = 64; x.V = 64; x.T = 2048; check_chunk("cp T=2048 HV=2 K=V=64", x, 16.0);
         check_batch_invariance(2, 2100, 1000);
+    }
+    {
+        /* stage A beside the state pass (fq_cuda_fwd_beside: one sequence with
+         * no segments, HV (K + V) / 64 > 80, and at most half the SMs of
+         * state-pass CTAs): against the reference, and the bits of the normal
+         * order (the sequence after another: twice the CTAs, one kernel after
+         * the other) */
+        Problem x = b; x.B = 1; x.H = 16; x.HV = 32; x.T = 1000;
+        check_chunk("beside T=1000 H=16 HV=32 h0", x, 16.0);
+        x.K = 64; x.V = 64; x.H = 24; x.HV = 48; x.T = 333; x.l2norm = 1;
+        check_chunk("beside K=V=64 H=24 HV=48 T=333 l2norm", x, 16.0);
+        check_batch_invariance(32, 1000, 300);
     }
     check_chunk("T=200 B=2 H=4 HV=8 K=V=128 bf16 h0", b, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
     {
