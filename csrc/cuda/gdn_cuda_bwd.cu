@@ -7,7 +7,13 @@
  *   0. fq_cuda_fwd_prepare   chunk table, bf16 q/k/v, inverse norms rq, rk
  *   1. fq_cuda_fwd_wy_recompute  gamma, A = (I+L)^-1 (kept for step 5), W, U
  *                            (stage A, the persistent kernel)
- *   2. fq_cuda_fwd_state     chunk-start states h (bf16) and Vn = U - W h
+ *   2. chunk-start states h (bf16) and Vn = U - W h: where the fused forward
+ *      runs (sm_90a, K and V in {64, 128}), its kernel in mode HST
+ *      (fq_cuda_fwd_fused_states: stage A's A'' and gate record, the segment
+ *      table, the exact context parallelism of long sequences, the chain as
+ *      in the forward, h and Vn stored instead of o; its workspace inside
+ *      dsl's, which is dead until step 3); elsewhere the three-stage state
+ *      pass fq_cuda_fwd_state
  *      (1, 2 are the forward's stage launchers, gdn_cuda_common.cuh)
  *   3. bwd_local   per (chunk, value head). Forward lines:
  *          O  = scale (diag(e^g) Q S + P Vn),   P = lower_incl(Q K^T ⊙ Gamma)
@@ -73,7 +79,7 @@
 typedef struct fq_bwd_ws {
     fq_fwd_ws f;
     fq_bf16 *a;    /* [nc, HV, 64, 64] */
-    fq_bf16 *dsl;  /* [nc, HV, K, V]   */
+    fq_bf16 *dsl;  /* [nc, HV, K, V]; before step 3 the fused recompute's own workspace */
     float *dgam;   /* [nc, HV, 64]     */
     float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
 } fq_bwd_ws;
@@ -94,7 +100,9 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
         off += fq_bwd_align((size_t)(bytes));                              \
     } while (0)
     FQ_CARVE(ws->a, fq_bf16 *, nc * HV * 64 * 64 * 2);
-    FQ_CARVE(ws->dsl, fq_bf16 *, nc * HV * K * V * 2);
+    /* (sized for both of its lives, whether or not the fused kernel runs here) */
+    const size_t dsl_bytes = (size_t)(nc * HV * K * V * 2), fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
+    FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
 #undef FQ_CARVE
@@ -120,7 +128,23 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     /* 0-2. recompute the forward's chunk table, gamma, A, W, U, h, Vn */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, stream)) != FQ_OK) return st;
-    if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;
+    if (fq_cuda_fwd_fused_available(p)) {
+        /* the fused forward's chain: its workspace = the chunk table, norms and
+         * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
+        fq_fwd_ws fz = ws.f;
+        fq_cuda_fwd_fused_extras_layout(p, ws.dsl, &fz);
+        const int beside = fq_cuda_fwd_beside(p, &fz);
+        if (beside) {
+            if ((st = fq_cuda_fwd_segments(p, &fz, 1, stream)) != FQ_OK) return st;
+            if ((st = fq_cuda_fwd_inverse(p, &fz, beside, stream)) != FQ_OK) return st;
+        } else {
+            if ((st = fq_cuda_fwd_inverse(p, &fz, 0, stream)) != FQ_OK) return st;
+            if ((st = fq_cuda_fwd_segments(p, &fz, 0, stream)) != FQ_OK) return st;
+        }
+        if ((st = fq_cuda_fwd_fused_states(p, &fz, beside != 0, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
+    } else if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) {
+        return st;
+    }
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[0], stream));
 
     fq_bwd_args args;

@@ -427,6 +427,12 @@ size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
  * table, norms and bf16 copies as above, then a and rec; gamma, kdecay, w,
  * u, h, vn are NULL. Returns its size (a multiple of 256). */
 size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
+/* Only the fused forward's own part of that workspace (a, rec, the segment
+ * table, maps and start states, ready), laid out from `base` (NULL: sizes
+ * only); the other fields of ws are left as they are (the backward's
+ * recompute: the chunk table, norms and bf16 copies of its three-stage
+ * workspace). Returns its size (a multiple of 256). */
+size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
 /* Context parallelism of the fused forward (exact, DESIGN §2): a sequence
  * of nc chunks is split into min(nseg_max, nc / FQ_CP_MIN_CHUNKS) segments
  * of equal chunk counts (the last may be shorter); nseg_max depends on the
@@ -459,6 +465,19 @@ fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_ws *ws, int 
 /* The fused state pass and outputs: o and, if non-NULL, ht (after
  * fq_cuda_fwd_segments). beside: stage A runs beside it (poll ws->ready). */
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);
+/* Context parallelism's MAP pass and combine step (the segment start
+ * states into ws->ss) where sequences are split (ws->nseg_max > 1; else
+ * nothing): the first launches of fq_cuda_fwd_fused and of
+ * fq_cuda_fwd_fused_states. */
+fq_status fq_cuda_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* The backward's recompute on the fused kernel (its MAP pass and combine as
+ * above, then the state pass in mode HST): no o, no ht; each chunk's start
+ * state to h [nc_max, HV, K, V] and Vn to vn [nc_max, HV, 64, V] (bf16, the
+ * three-stage state pass's layouts, Vn rows past a chunk's length 0). ws:
+ * the fused workspace (fq_cuda_fwd_fused_extras_layout), after
+ * fq_cuda_fwd_segments and stage A. */
+fq_status fq_cuda_fwd_fused_states(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, fq_bf16 *h, fq_bf16 *vn,
+                                   cudaStream_t stream);
 
 /* FQ_OK unless K = 256 and the current device offers less than
  * FQ_SMEM_OPTIN_H100 of shared memory per block (a ValueError naming k). */

@@ -146,12 +146,9 @@ extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_
     return off;
 }
 
-extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+/* The fused forward's own part, from off on (ws->nc_max set). */
+static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off, fq_fwd_ws *ws)
 {
-    char *base = (char *)base_;
-    fq_fwd_ws tmp;
-    if (!ws) ws = &tmp;
-    size_t off = fq_fwd_ws_common(p, base, ws);
     const int64_t nc = ws->nc_max, HV = p->HV;
     ws->a = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV) * FQ_APACK_BYTES); /* packed (gdn_cuda_common.cuh) */
     ws->rec = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_REC_FLOATS) * 4);
@@ -168,6 +165,29 @@ extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base
     }
     ws->ready = (int *)fq_carve(base, &off, (size_t)(nc * HV) * 4);
     return off;
+}
+
+extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+{
+    fq_fwd_ws tmp;
+    if (!ws) ws = &tmp;
+    const size_t off = fq_fwd_ws_common(p, (char *)base_, ws);
+    return fq_fwd_fused_extras(p, (char *)base_, off, ws);
+}
+
+extern "C" size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
+{
+    fq_fwd_ws tmp;
+    if (!ws) {
+        ws = &tmp;
+        memset(ws, 0, sizeof *ws);
+    }
+    if (!base_) { /* (sizes only: nc_max from the sizes, as the layouts set it) */
+        fq_fwd_ws c;
+        fq_fwd_ws_common(p, NULL, &c);
+        ws->nc_max = c.nc_max;
+    }
+    return fq_fwd_fused_extras(p, (char *)base_, 0, ws);
 }
 
 extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
