@@ -72,6 +72,7 @@
  */
 #include "gdn_cuda_bwd.cuh"
 
+#include <stdlib.h> /* getenv */
 #include <string.h>
 
 /* ========================================================= host side ==== */
@@ -115,6 +116,20 @@ extern "C" size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p)
     return fq_cuda_gates_ws_bytes(p, 'b') + fq_bwd_ws_layout(p, NULL, NULL);
 }
 
+/* 1: the recompute's state pass is the fused kernel's HST mode (where the
+ * fused forward runs); 0: the three-stage state pass. FLASHQLA_CUDA_BWD_RECOMPUTE=0
+ * or 1 (read once) forces one, for timing the two (dev/cuda/check_bwd.cu). */
+static int fq_bwd_fused_recompute(const fq_gdn_params *p)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *e = getenv("FLASHQLA_CUDA_BWD_RECOMPUTE");
+        env = e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
+    }
+    if (!fq_cuda_fwd_fused_available(p)) return 0;
+    return env >= 0 ? env : 1;
+}
+
 /* The whole backward on the current device. ev (NULL in the library): five
  * events recorded after steps 2, 3, 4, 5 and 6 (ev[3] == ev[4]: step 6 runs
  * inside 3 and 5), for dev/cuda/check_bwd.cu. */
@@ -128,7 +143,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     /* 0-2. recompute the forward's chunk table, gamma, A, W, U, h, Vn */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, stream)) != FQ_OK) return st;
-    if (fq_cuda_fwd_fused_available(p)) {
+    if (fq_bwd_fused_recompute(p)) {
         /* the fused forward's chain: its workspace = the chunk table, norms and
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
         fq_fwd_ws fz = ws.f;

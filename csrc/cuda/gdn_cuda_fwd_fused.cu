@@ -218,7 +218,7 @@ static fq_status fq_fwd_fused_cp_k(const fq_gdn_params *p, const fq_fwd_ws *ws, 
 {
     if (ws->nseg_max <= 1) return FQ_OK; /* (never beside: fq_cuda_fwd_beside) */
     fq_status st;
-    if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, NULL, NULL, NULL, stream)) != FQ_OK) return st;
+    if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, NULL, stream)) != FQ_OK) return st;
     const unsigned cgrid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
     return fq_launch_k(fq_fwd_cp_combine_kernel<K>, cgrid, K, 0, stream, fq_cuda_pdl_enabled(),
                        (const fq_seg_info *)ws->segs, (const float *)ws->md,
@@ -250,7 +250,7 @@ static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, int
     fq_fused_maps m;
     if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
     if ((st = fq_fwd_fused_cp_k<K>(p, ws, m, stream)) != FQ_OK) return st;
-    return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, beside ? ws->ready : NULL, NULL, NULL, stream);
+    return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, beside ? ws->ready : NULL, stream);
 }
 
 extern "C" fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream)

@@ -103,8 +103,7 @@ template <int K> struct fq_fused_smem {
 
 struct fq_fused_args {
     const fq_seg_info *segs;
-    float *md;           /* MAP: [seg_bound, HV, K, K + V] out; HST: Vn out, bf16 [nc_max, HV, 64, V]
-                            (rows past a chunk's length 0) */
+    float *md;           /* MAP: [seg_bound, HV, K, K + V] out */
     const float *ss;     /* FULL: [seg_bound, HV, K, V] start states of segments 1.. */
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
     const fq_bf16 *a;    /* [nc_max, HV, FQ_APACK_ELEMS] A'' packed */
@@ -115,9 +114,8 @@ struct fq_fused_args {
                             chunks of a sequence its state to row cu_ck[n] + c - 1 (gdn.h) */
     const int64_t *cu_ck;
     int ck_chunks;
-    void *o;             /* [B*T, HV, V], dtype odt; HST: the chunk-start states h out, bf16
-                            [nc_max, HV, K, V] (HST's outputs in fields it has no other use for:
-                            added fields changed the other modes' register allocation) */
+    void *o;             /* [B*T, HV, V], dtype odt (HST: none; h and Vn leave through the
+                            tensor maps tm_o and tm_q, which HST has no other use for) */
     fq_dtype odt;
     int o_tma;           /* 1: full chunks of o leave by TMA store (tm_o; 16-bit o, 16-byte aligned) */
     int H, HV, V, ncb;   /* ncb: column blocks of 64 per (segment, head): V/64 (FULL), (K+V)/64 (MAP) */
@@ -362,10 +360,12 @@ __global__ void __launch_bounds__(384, 1)
                 }
                 const int zr = min(len, min(fv, fr));
                 if (zr < 64) {
-                    /* zero rows zr.. of Q, K, V */
-                    const int nt = 2 * KT + 1, nrow = 64 - zr;
+                    /* zero rows zr.. of Q, K, V (HST: K, V; its output warpgroup stages h in
+                     * the Q tiles, which the producer never fills then) */
+                    constexpr int t0 = HST ? KT : 0;
+                    const int nt = 2 * KT + 1 - t0, nrow = 64 - zr;
                     for (int idx = tk; idx < nt * nrow * 8; idx += 96) {
-                        const int tile = idx / (nrow * 8), r = zr + (idx / 8) % nrow, c = idx % 8;
+                        const int tile = t0 + idx / (nrow * 8), r = zr + (idx / 8) % nrow, c = idx % 8;
                         unsigned char *tb = st + (tile < KT ? SM::off_q + tile * FQ_TILE
                                                   : tile < 2 * KT ? SM::off_k + (tile - KT) * FQ_TILE
                                                                   : SM::off_v);
@@ -398,40 +398,48 @@ __global__ void __launch_bounds__(384, 1)
                 /* the backward's h and Vn, in the three-stage state pass's layouts:
                  *   h[c][j][kd][64 vb + v] = S^T[v][kd] at the chunk's start (bf16 as handed over)
                  *   vn[c][j][r][64 vb + v] = Vn^T[v][r]  (0 for rows r >= len)
-                 * transposed through registers: a piece is 8 adjacent v of one row kd (r),
-                 * read as 8 bf16 from the swizzled tile (a warp's lanes: 32 adjacent kd of
-                 * one tile row, conflict-free), written as one 16-byte store */
-                fq_mbar_arrive(&empty[s]); /* nothing of the stage is read here */
-                const int64_t ch = (int64_t)(si.chunk0 + i) * HV + j;
+                 * each 8 x 8 block transposed by ldmatrix.trans (from the chain's [v][kd],
+                 * [v][r] tiles) + stmatrix into SWIZZLE_128B staging tiles [kd][v] (the
+                 * stage's Q tiles, unused here) and [r][v] (the O staging), which leave by
+                 * TMA store (tm_o: h, tm_q: vn; fq_cuda_fwd_fused_states) */
+                fq_mbar_arrive(&empty[s]); /* nothing of the stage's loads is read here */
+                unsigned char *hs = st + SM::off_q;
+                const int l8 = lane & 7, lm = lane >> 3;
+                /* the staging tiles are free once the stores of the chunk before have read them */
+                if (tp == 0) fq_bulk_wait_read0();
+                fq_named_bar(3, 128);
                 fq_mbar_wait(&sb_full[b], par);
                 const unsigned char *sbt = smem + SM::off_sb + b * KT * FQ_TILE;
-                fq_bf16 *hdst = (fq_bf16 *)args.o + ch * K * args.V + 64 * vb;
 #pragma unroll
                 for (int q = 0; q < K / 16; q++) {
-                    const int piece = tp + 128 * q, kd = piece % K, c8 = piece / K;
-                    const unsigned char *tile = sbt + (kd >> 6) * FQ_TILE;
-                    uint16_t x[8];
-#pragma unroll
-                    for (int e = 0; e < 8; e++) x[e] = *(const uint16_t *)(tile + fq_sw128(8 * c8 + e, 2 * (kd & 63)));
-                    *(uint4 *)(hdst + (int64_t)kd * args.V + 8 * c8) =
-                        make_uint4(x[0] | (uint32_t)x[1] << 16, x[2] | (uint32_t)x[3] << 16, x[4] | (uint32_t)x[5] << 16,
-                                   x[6] | (uint32_t)x[7] << 16);
+                    /* group grp of 4 blocks: kd block kdb, v blocks 4 (grp & 1) + lm (matrix lm) */
+                    const int grp = 4 * q + w, kdb = grp >> 1, vb8 = 4 * (grp & 1) + lm;
+                    uint32_t x[4];
+                    fq_ldsm_x4_trans(x, fq_smem_u32(sbt + (kdb >> 3) * FQ_TILE + fq_sw128(8 * vb8 + l8, 16 * (kdb & 7))));
+                    /* lane l's address: row kd = 8 kdb + l8 of matrix lm (v block 4 vh + lm) */
+                    fq_stsm_x4(fq_smem_u32(hs + fq_sw128(8 * kdb + l8, 16 * vb8)), x[0], x[1], x[2], x[3]);
                 }
-                fq_mbar_arrive(&sb_empty[b]); /* S^T read */
+                fq_mbar_arrive(&sb_empty[b]); /* S^T read (its values are in the staging now) */
                 fq_mbar_wait(&vn_full[b], par);
                 const unsigned char *vnt = smem + SM::off_vn + b * FQ_TILE;
-                fq_bf16 *vdst = (fq_bf16 *)args.md + ch * 64 * args.V + 64 * vb;
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    const int piece = tp + 128 * q, r = piece & 63, c8 = piece >> 6;
-                    uint16_t x[8];
-#pragma unroll
-                    for (int e = 0; e < 8; e++) x[e] = r < len ? *(const uint16_t *)(vnt + fq_sw128(8 * c8 + e, 2 * r)) : 0;
-                    *(uint4 *)(vdst + (int64_t)r * args.V + 8 * c8) =
-                        make_uint4(x[0] | (uint32_t)x[1] << 16, x[2] | (uint32_t)x[3] << 16, x[4] | (uint32_t)x[5] << 16,
-                                   x[6] | (uint32_t)x[7] << 16);
+                    const int grp = 4 * q + w, rb = grp >> 1, vb8 = 4 * (grp & 1) + lm;
+                    uint32_t x[4];
+                    fq_ldsm_x4_trans(x, fq_smem_u32(vnt + fq_sw128(8 * vb8 + l8, 16 * rb)));
+                    /* this thread's elements of matrix m: row r = 8 rb + lane / 4 */
+                    if (8 * rb + (lane >> 2) >= len) x[0] = x[1] = x[2] = x[3] = 0u;
+                    fq_stsm_x4(fq_smem_u32(Os + fq_sw128(8 * rb + l8, 16 * vb8)), x[0], x[1], x[2], x[3]);
                 }
                 fq_mbar_arrive(&vn_empty[b]); /* Vn^T read */
+                fq_fence_async_smem();
+                fq_named_bar(3, 128);
+                if (tp == 0) {
+                    const int ch = (si.chunk0 + i) * HV + j;
+                    fq_tma_store_3d(&tm_o, hs, 64 * vb, 0, ch);
+                    fq_tma_store_3d(&tm_q, Os, 64 * vb, 0, ch);
+                    fq_bulk_commit();
+                }
                 continue;
             }
 
@@ -850,7 +858,7 @@ static fq_status fq_fused_maps_of(const fq_gdn_params *p, const fq_fwd_ws *ws, f
 
 template <int K, int MODE>
 static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m,
-                                 const int *ready, fq_bf16 *hst_h, fq_bf16 *hst_vn, cudaStream_t stream)
+                                 const int *ready, cudaStream_t stream)
 {
     fq_fused_args args;
     args.segs = ws->segs;
@@ -872,11 +880,10 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     args.V = (int)p->V;
     args.ncb = (int)(MODE == FQ_FUSED_MAP ? (K + p->V) / 64 : p->V / 64);
     args.scale = (float)p->scale;
-    if (MODE == FQ_FUSED_HST) { /* (the recompute stores no end state, no checkpoint; o and md carry h and Vn) */
+    if (MODE == FQ_FUSED_HST) { /* (the recompute stores no o, no end state, no checkpoint) */
+        args.o = NULL;
         args.ht = NULL;
         args.ckpt = NULL;
-        args.o = hst_h;
-        args.md = (float *)hst_vn;
     }
     const int64_t blocks = ws->seg_bound * p->HV * args.ncb;
     if (blocks <= 0) return FQ_OK;

@@ -21,8 +21,17 @@ static fq_status fq_fwd_fused_states_k(const fq_gdn_params *p, const fq_fwd_ws *
     fq_status st;
     fq_fused_maps m;
     if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
+    /* the stores' maps in the slots HST has no other use for: o = h [nc_max HV][K][V] (boxes
+     * of K rows x 64 columns), q = vn [nc_max HV][64][V] (64 x 64); SWIZZLE_128B as the
+     * staging tiles */
+    const uint64_t tiles = ws->nc_max * p->HV > 0 ? (uint64_t)(ws->nc_max * p->HV) : 1;
+    const uint64_t dh[3] = {(uint64_t)p->V, (uint64_t)K, tiles}, sh[2] = {(uint64_t)p->V * 2, (uint64_t)K * p->V * 2};
+    const uint64_t dn[3] = {(uint64_t)p->V, 64, tiles}, sn[2] = {(uint64_t)p->V * 2, (uint64_t)64 * p->V * 2};
+    const uint32_t bh[3] = {64, (uint32_t)K, 1}, bn[3] = {64, 64, 1};
+    if ((st = fq_tmap(&m.o, h, 3, dh, sh, bh)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m.q, vn, 3, dn, sn, bn)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_fused_cp(p, ws, stream)) != FQ_OK) return st;
-    return fq_launch_fused<K, FQ_FUSED_HST>(p, ws, m, beside ? ws->ready : NULL, h, vn, stream);
+    return fq_launch_fused<K, FQ_FUSED_HST>(p, ws, m, beside ? ws->ready : NULL, stream);
 }
 
 extern "C" fq_status fq_cuda_fwd_fused_states(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, fq_bf16 *h,
