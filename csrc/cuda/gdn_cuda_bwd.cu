@@ -30,7 +30,11 @@
  *          dS_next[c] = dS   (stored bf16)
  *          dVn      = dv_local + diag(e^{g_C - g}) K dS                (stored bf16)
  *          dS       = e^{g_C} dS + dS_local - W^T dVn
- *      ending in dh0.
+ *      ending in dh0. Where the forward would split a sequence into
+ *      segments (fq_cuda_fwd_nseg_max > 1: few heads; K <= 128), the pass
+ *      runs per segment from each segment's end dS, chained exactly by each
+ *      segment's affine map dS_start = M dS_end + D (a MAP pass and the
+ *      reverse combine first; gdn_cuda_bwd_state.cu).
  *   5. bwd_wy      per (chunk, value head):
  *          S' term:   dK += diag(m) Vn dS_next^T,   m = e^{g_C - g}
  *                     dgamma_r -= x_r, dgamma_C += sum x + e^{g_C} <S, dS_next>,
@@ -83,6 +87,9 @@ typedef struct fq_bwd_ws {
     fq_bf16 *dsl;  /* [nc, HV, K, V]; before step 3 the fused recompute's own workspace */
     float *dgam;   /* [nc, HV, 64]     */
     float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
+    /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
+     * seg.segs [seg_bound], seg.md [seg_bound, HV, K, K + V], seg.ss [seg_bound, HV, K, V] */
+    fq_fwd_ws seg;
 } fq_bwd_ws;
 
 static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -106,6 +113,18 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
+    ws->seg = ws->f; /* (its chunk and sequence tables) */
+    ws->seg.nseg_max = K <= 128 ? fq_cuda_fwd_nseg_max(p) : 1;
+    ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
+    ws->seg.segs = NULL;
+    ws->seg.md = ws->seg.ss = NULL;
+    ws->seg.ready = NULL;
+    if (ws->seg.nseg_max > 1) {
+        const int64_t sb = ws->seg.seg_bound;
+        FQ_CARVE(ws->seg.segs, fq_seg_info *, (sb > 0 ? sb : 1) * (int64_t)sizeof(fq_seg_info));
+        FQ_CARVE(ws->seg.md, float *, sb * HV * K * (K + V) * 4);
+        FQ_CARVE(ws->seg.ss, float *, sb * HV * K * V * 4);
+    }
 #undef FQ_CARVE
     ws->f.a = ws->a;
     return off;
@@ -128,6 +147,19 @@ static int fq_bwd_fused_recompute(const fq_gdn_params *p)
     }
     if (!fq_cuda_fwd_fused_available(p)) return 0;
     return env >= 0 ? env : 1;
+}
+
+/* 1: the reverse state pass with context parallelism where the sizes allow it
+ * (ws->seg laid out: nseg_max > 1, K <= 128). FLASHQLA_CUDA_BWD_CP=0 (read
+ * once) turns it off, for timing. */
+static int fq_bwd_cp(const fq_bwd_ws *ws)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *e = getenv("FLASHQLA_CUDA_BWD_CP");
+        env = e && e[0] == '0' && e[1] == 0 ? 0 : 1;
+    }
+    return env && ws->seg.segs != NULL;
 }
 
 /* The whole backward on the current device. ev (NULL in the library): five
@@ -204,7 +236,12 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     const int64_t nc = ws.f.nc_max;
     if ((st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[1], stream));
-    if ((st = fq_bwd_state_launch(p, args, 0, 0, stream)) != FQ_OK) return st;
+    if (fq_bwd_cp(&ws)) {
+        if ((st = fq_cuda_fwd_segments(p, &ws.seg, 0, stream)) != FQ_OK) return st;
+        if ((st = fq_bwd_state_launch(p, args, &ws.seg, 0, 0, stream)) != FQ_OK) return st;
+    } else if ((st = fq_bwd_state_launch(p, args, NULL, 0, 0, stream)) != FQ_OK) {
+        return st;
+    }
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
     if ((st = fq_bwd_wy_launch(p, args, nc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));

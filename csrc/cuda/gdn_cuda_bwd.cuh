@@ -122,8 +122,12 @@ fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int6
  * pair (ks 2, K-split); bv state columns per block (16, 32, 64); bv = ks = 0
  * picks by the number of 16-column chains vs SMs, unless the environment
  * variable FLASHQLA_CUDA_BWD_STATE=BV:KS (read once) forces one. Grid
- * N * HV * V / bv. */
-fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream);
+ * N * HV * V / bv. segws: NULL, or the segment table, maps and start states
+ * (segs, md, ss, seg_bound of a fused-forward workspace layout, after
+ * fq_cuda_fwd_segments; K <= 128): the exact context parallelism of the
+ * reverse pass (gdn_cuda_bwd_state.cu). */
+fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int bv, int ks,
+                              cudaStream_t stream);
 /* bwd_wy (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head) looping
  * over the GVA group; also finishes dk (GVA sum of the dK_O partials in
  * a.dkp, L2-norm backward). */

@@ -7,6 +7,9 @@
  * reverse state passes (dS in fp32 shared memory; then dS in accumulators of
  * 8 warps per 32 columns) were removed
  * once superseded: see benchmarks/NOTES.md and git history (commit 4599409).
+ * Long sequences with few heads get the exact context parallelism of the
+ * forward, reversed (fq_bwd_cp_args below: a MAP pass, the reverse combine,
+ * the pass per segment).
  */
 #include "gdn_cuda_bwd.cuh"
 #include "gdn_cuda_state.cuh"
@@ -74,34 +77,101 @@ static __device__ __forceinline__ void fq_bar_pair(int grp)
     }
 }
 
-template <int K, int NW, int NS, int KS>
-__global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_args a, int V)
+/* Context parallelism of the reverse pass (exact, as the forward's, DESIGN §2).
+ * Per chunk the pass is affine in dS:
+ *     dS <- (e^{g_C} I - W^T diag(kdecay) K) dS + (dS_local - W^T dv_local) = M_c dS + D_c
+ * with M_c (K x K) the same for every state column, so a segment of chunks maps
+ * the dS at its end to the dS at its start by [M | D] (K x (K + V)): the pass
+ * itself run from [I | 0] with dv_local = dS_local = 0 in the M columns. Modes:
+ *   CP 0  (FQ_BWD_CP_NONE) one chain per sequence from dht (no segment table);
+ *   CP 1  (FQ_BWD_CP_MAP)  per segment but each sequence's first, K + V columns:
+ *                          M blocks (columns < K) from I, D blocks from 0; nothing
+ *                          stored per chunk; [M | D] to c.md;
+ *   then fq_cp_combine_kernel<K, 1>: E_{n-1} = dht, E_{s-1} = M_s E_s + D_s (c.ss);
+ *   CP 2  (FQ_BWD_CP_SEG)  per segment from E_s (dht for a sequence of one segment),
+ *                          the per-chunk stores of CP 0; dh0 from each sequence's
+ *                          first segment. */
+#define FQ_BWD_CP_NONE 0
+#define FQ_BWD_CP_MAP 1
+#define FQ_BWD_CP_SEG 2
+struct fq_bwd_cp_args {
+    const fq_seg_info *segs; /* the segment table (fq_cuda_fwd_segments) */
+    float *md;               /* [seg_bound, HV, K, K + V] the segments' maps */
+    const float *ss;         /* [seg_bound, HV, K, V] E_s, each segment's start dS */
+};
+
+template <int K, int NW, int NS, int KS, int CP>
+__global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_args a, int V, fq_bwd_cp_args c)
 {
     typedef fq_bwd_state_smem<K, NW, NS, KS> SM;
     constexpr int BV = SM::BV, LDK = SM::LDK, LDB = SM::LDB, NTH = NW * KS * 32;
     constexpr int KW = K / KS;  /* state rows per warp */
     constexpr int NKT = KW / 8; /* n8 tiles of dS^T per warp */
+    constexpr int MAP = CP == FQ_BWD_CP_MAP;
     extern __shared__ __align__(16) unsigned char smem[];
 
-    const int HV = a.HV, H = a.H, nvs = V / BV;
+    /* columns of the pass: V; MAP: K + V (M's, then D's) */
+    const int HV = a.HV, H = a.H, nvs = (MAP ? K + V : V) / BV;
     const int vs = blockIdx.x % nvs, j = (blockIdx.x / nvs) % HV, n = blockIdx.x / (nvs * HV);
     const int hq = j / (HV / H);
-    const fq_seq_info si = a.seqs[n];
+    /* n: the sequence (CP 0) or the segment slot; seq: the sequence */
+    fq_seq_info si;
+    int seq = n, sidx = 0, scount = 1;
+    if constexpr (CP == FQ_BWD_CP_NONE) {
+        si = a.seqs[n];
+    } else {
+        const fq_seg_info sg = c.segs[n];
+        if (sg.seq < 0 || (MAP && sg.index == 0)) return; /* (block-uniform; no barrier passed yet) */
+        si.bos = sg.bos;
+        si.len = sg.len;
+        si.chunk0 = sg.chunk0;
+        si.nchunks = sg.nchunks;
+        seq = sg.seq;
+        sidx = sg.index;
+        scount = sg.count;
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int grp = warp / KS, kh = warp % KS;
-    const int vw = vs * BV + 16 * grp; /* the group's first state column */
+    /* MAP: an M block (its columns < K: no dv_local, dS_local) or a D block (V's
+     * columns vs BV - K ..) */
+    const int mblk = MAP && vs * BV < K;
+    const int cv0 = MAP ? (mblk ? 0 : vs * BV - K) : vs * BV; /* the block's first column of V (a D block) */
+    const int vw = vs * BV + 16 * grp; /* the group's first state column (MAP: of [M | D]) */
+    const int vwv = cv0 + 16 * grp;    /* ... as a column of V */
     const int k0 = kh * KW;            /* this warp's first state row */
 
-    /* dS^T = dht slice (zeros when NULL) */
-    const int64_t state_off = ((int64_t)n * HV + j) * K * V;
+    /* dS^T = dht slice (zeros when NULL); CP 2: E_s of a split sequence; MAP: I or 0 */
+    const int64_t state_off = ((int64_t)seq * HV + j) * K * V;
     float D[NKT][4];
+    if constexpr (CP == FQ_BWD_CP_NONE) {
 #pragma unroll
-    for (int nt = 0; nt < NKT; nt++)
+        for (int nt = 0; nt < NKT; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int k = k0 + 8 * nt + 2 * t + (e & 1), v = vw + g + 8 * (e >> 1);
-            D[nt][e] = a.dht ? a.dht[state_off + fq_state_at(k, v, K, V, a.state_vk)] : 0.f; /* [serving] layout */
+            for (int e = 0; e < 4; e++) {
+                const int k = k0 + 8 * nt + 2 * t + (e & 1), v = vw + g + 8 * (e >> 1);
+                D[nt][e] = a.dht ? a.dht[state_off + fq_state_at(k, v, K, V, a.state_vk)] : 0.f; /* [serving] layout */
+            }
+    } else {
+        const float *src = NULL;
+        int64_t off = 0;
+        int svk = 0;
+        if (!MAP && scount > 1) {
+            src = c.ss;
+            off = ((int64_t)n * HV + j) * K * V;
+        } else if (!MAP && a.dht) {
+            src = a.dht;
+            off = state_off;
+            svk = a.state_vk;
         }
+#pragma unroll
+        for (int nt = 0; nt < NKT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int k = k0 + 8 * nt + 2 * t + (e & 1), v = g + 8 * (e >> 1);
+                if (MAP) D[nt][e] = mblk && k == vw + v ? 1.f : 0.f;
+                else D[nt][e] = src ? src[off + fq_state_at(k, vw + v, K, V, svk)] : 0.f;
+            }
+    }
 
     /* Copies of chunk i (local index) into ring buffer b, in NPART parts
      * (part p: rows p RP .. of W and K, rows p SP .. of dS_local; part 0 also
@@ -125,8 +195,8 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
         const int row0 = si.bos + i * 64, len = min(64, si.len - i * 64);
         lb.w = a.w + (tile * 64 + r_t) * K + c_t;
         lb.k = a.kb + ((int64_t)(row0 + r_t) * H + hq) * K + c_t;
-        lb.dv = a.dvl + (tile * 64 + r_u) * V + vs * BV + c_u;
-        lb.ds = a.dsl + (tile * K + r_u) * V + vs * BV + c_u;
+        lb.dv = a.dvl + (tile * 64 + r_u) * V + cv0 + c_u;
+        lb.ds = a.dsl + (tile * K + r_u) * V + cv0 + c_u;
         lb.g = tid < 16 ? a.gamma + tile * 64 + tid * 4 : a.kdecay + tile * 64 + (tid - 16) * 4;
         lb.lim = len - r_t;
         return lb;
@@ -141,6 +211,11 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
             fq_cp_async16(Wd + r * LDK, lb.w + r * K, 16);
             const bool ok = r < lb.lim;
             fq_cp_async16(Kd + r * LDK, ok ? lb.k + r * kstride : a.kb, ok ? 16 : 0);
+        }
+        if (mblk) { /* (MAP's M block: no dS_local, dv_local) */
+            if (part == 0 && tid < 32)
+                fq_cp_async16(bb + (tid < 16 ? SM::b_g + tid * 16 : SM::b_d + (tid - 16) * 16), lb.g, 16);
+            return;
         }
         fq_bf16 *Sd = (fq_bf16 *)(bb + SM::b_ds) + r_u * LDB + c_u;
 #pragma unroll
@@ -192,7 +267,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
         float acc[8][4];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        fq_bf16 *sl = fq_st_t_lane(a.dsl + tile * K * V + (int64_t)k0 * V + vw, V, lane);
+        fq_bf16 *sl = fq_st_t_lane(a.dsl + tile * K * V + (int64_t)k0 * V + vwv, V, lane);
 #pragma unroll
         for (int kk = 0; kk < KW / 16; kk++) {
             uint32_t af[4];
@@ -207,8 +282,9 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
                 fq_mma_bf16(acc[2 * n2], af, b[0], b[1]);
                 fq_mma_bf16(acc[2 * n2 + 1], af, b[2], b[3]);
             }
+            if constexpr (!MAP) /* (MAP: nothing stored per chunk) */
 #pragma unroll
-            for (int q = 0; q < 4; q++) fq_st_transposed(sl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), af[q], g, true);
+                for (int q = 0; q < 4; q++) fq_st_transposed(sl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), af[q], g, true);
             if (more) load_part(lbn, bnext, kk); /* chunk i - (NS - 1), part kk */
         }
         fq_cp_async_commit();
@@ -220,8 +296,8 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
             const float egC = __expf(gam[63]);
 #pragma unroll
             for (int kk = 0; kk < KW / 16; kk++) {
-                uint32_t lf[4];
-                fq_frag_a_trans(lf, Dsb, LDB, 16 * grp, k0 + 16 * kk);
+                uint32_t lf[4] = {0u, 0u, 0u, 0u};
+                if (!mblk) fq_frag_a_trans(lf, Dsb, LDB, 16 * grp, k0 + 16 * kk);
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     float *x = D[2 * kk + (q >> 1)] + 2 * (q & 1);
@@ -247,12 +323,12 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
          * [16 kk + 8 (q >> 1) + 2t, +1] pairs with acc[2 kk + (q >> 1)][2 (q & 1), +1]);
          * dVn out (KS = 2: warp kh stores the k-steps kk with kk % 2 == kh);
          * the update's A operand -dVn^T (rows along the chunk's tokens) */
-        fq_bf16 *vl = fq_st_t_lane(a.dvl + tile * 64 * V + vw, V, lane);
+        fq_bf16 *vl = fq_st_t_lane(a.dvl + tile * 64 * V + vwv, V, lane);
         uint32_t va[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            uint32_t uf[4];
-            fq_frag_a_trans(uf, Dvb, LDB, 16 * grp, 16 * kk);
+            uint32_t uf[4] = {0u, 0u, 0u, 0u};
+            if (!mblk) fq_frag_a_trans(uf, Dvb, LDB, 16 * grp, 16 * kk);
             const float2 d0 = *(const float2 *)(kdec + 16 * kk + 2 * t);
             const float2 d8 = *(const float2 *)(kdec + 16 * kk + 8 + 2 * t);
 #pragma unroll
@@ -260,7 +336,8 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
                 const float *x = acc[2 * kk + (q >> 1)] + 2 * (q & 1);
                 const float2 u = fq_unpack_bf16(uf[q]), d = (q >> 1) ? d8 : d0;
                 const uint32_t w = fq_pack_bf16(u.x + d.x * x[0], u.y + d.y * x[1]);
-                fq_st_transposed(vl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), w, g, KS == 1 || (kk & 1) == kh);
+                if constexpr (!MAP)
+                    fq_st_transposed(vl + (2 * kk + (q >> 1)) * V8 + 8 * (q & 1), w, g, KS == 1 || (kk & 1) == kh);
                 va[kk][q] = w ^ 0x80008000u; /* -dVn^T: bf16 sign flip, exact */
             }
         }
@@ -270,18 +347,22 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
     }
     fq_cp_async_wait<0>();
 
-    if (a.dh0) fq_state_slice_store<NKT>(D, a.dh0, state_off, k0, vw, K, V, a.state_vk, g, t);
+    if constexpr (MAP) /* columns vw.. of the segment's [M | D] */
+        fq_state_slice_store<NKT>(D, c.md, ((int64_t)n * HV + j) * K * (K + V), k0, vw, K, K + V, 0, g, t);
+    else if (a.dh0 && sidx == 0) /* (CP 2: the sequence's first segment ends the walk) */
+        fq_state_slice_store<NKT>(D, a.dh0, state_off, k0, vw, K, V, a.state_vk, g, t);
 }
 
-template <int K, int NW, int NS, int KS>
-static fq_status fq_bwd_state_launch_ns(const fq_bwd_args &a, int64_t blocks, int V, cudaStream_t stream)
+template <int K, int NW, int NS, int KS, int CP>
+static fq_status fq_bwd_state_launch_ns(const fq_bwd_args &a, const fq_bwd_cp_args &c, int64_t blocks, int V,
+                                        cudaStream_t stream)
 {
     constexpr int bytes = fq_bwd_state_smem<K, NW, NS, KS>::bytes;
     static_assert(bytes <= FQ_SMEM_OPTIN_H100, "bwd_state: shared memory");
-    const void *fn = (const void *)fq_bwd_state_kernel<K, NW, NS, KS>;
+    const void *fn = (const void *)fq_bwd_state_kernel<K, NW, NS, KS, CP>;
     fq_status st = fq_cuda_set_smem(fn, bytes);
     if (st != FQ_OK) return st;
-    fq_bwd_state_kernel<K, NW, NS, KS><<<(unsigned)blocks, NW * KS * 32, bytes, stream>>>(a, V);
+    fq_bwd_state_kernel<K, NW, NS, KS, CP><<<(unsigned)blocks, NW * KS * 32, bytes, stream>>>(a, V, c);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
@@ -289,10 +370,10 @@ static fq_status fq_bwd_state_launch_ns(const fq_bwd_args &a, int64_t blocks, in
 /* The deepest ring that fits one block per SM (4; 3 when 4 does not fit:
  * 64 columns with K = 128), unless there are more blocks than SMs and the
  * 2-deep ring lets two blocks share an SM (smem_sm: shared memory per SM,
- * 1 KB of it reserved per block). */
+ * 1 KB of it reserved per block). cp: FQ_BWD_CP_* (MAP and SEG: K <= 128). */
 template <int K, int NW, int KS>
-static fq_status fq_bwd_state_launch_cfg(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm,
-                                          cudaStream_t stream)
+static fq_status fq_bwd_state_launch_cfg(const fq_bwd_args &a, const fq_bwd_cp_args &c, int cp, int64_t blocks,
+                                          int V, int sms, int smem_sm, cudaStream_t stream)
 {
     /* K = 256: a ring stage is 82-93 KB (W, K tiles 33 KB each, dS_local
      * 12-20 KB): 2-deep only */
@@ -300,13 +381,24 @@ static fq_status fq_bwd_state_launch_cfg(const fq_bwd_args &a, int64_t blocks, i
                           : fq_bwd_state_smem<K, NW, 3, KS>::bytes <= FQ_SMEM_OPTIN_H100 ? 3
                                                                                         : 2;
     const bool two = 2 * (fq_bwd_state_smem<K, NW, 2, KS>::bytes + 1024) <= smem_sm;
-    if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS>(a, blocks, V, stream);
-    return fq_bwd_state_launch_ns<K, NW, NSMAX, KS>(a, blocks, V, stream);
+    if constexpr (K <= 128) {
+        if (cp == FQ_BWD_CP_MAP) {
+            if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS, FQ_BWD_CP_MAP>(a, c, blocks, V, stream);
+            return fq_bwd_state_launch_ns<K, NW, NSMAX, KS, FQ_BWD_CP_MAP>(a, c, blocks, V, stream);
+        }
+        if (cp == FQ_BWD_CP_SEG) {
+            if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS, FQ_BWD_CP_SEG>(a, c, blocks, V, stream);
+            return fq_bwd_state_launch_ns<K, NW, NSMAX, KS, FQ_BWD_CP_SEG>(a, c, blocks, V, stream);
+        }
+    }
+    if (cp != FQ_BWD_CP_NONE) return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state_launch: no context parallelism at K = %d", K);
+    if (blocks > sms && two) return fq_bwd_state_launch_ns<K, NW, 2, KS, FQ_BWD_CP_NONE>(a, c, blocks, V, stream);
+    return fq_bwd_state_launch_ns<K, NW, NSMAX, KS, FQ_BWD_CP_NONE>(a, c, blocks, V, stream);
 }
 
 template <int K>
-static fq_status fq_bwd_state_launch_k(const fq_bwd_args &a, int64_t blocks, int V, int sms, int smem_sm, int bv,
-                                        int ks, cudaStream_t stream)
+static fq_status fq_bwd_state_launch_k(const fq_bwd_args &a, const fq_bwd_cp_args &c, int cp, int64_t blocks, int V,
+                                        int sms, int smem_sm, int bv, int ks, cudaStream_t stream)
 {
     if constexpr (K == 256) {
         /* K = 256 (issue 7 item 4): the K-split only (64 fp32 of dS^T per
@@ -315,37 +407,38 @@ static fq_status fq_bwd_state_launch_k(const fq_bwd_args &a, int64_t blocks, int
         if (ks != 2 || bv == 64)
             return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state_launch: K = 256 runs ks 2, bv 16 or 32; got bv %d ks %d", bv,
                            ks);
-        if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, blocks, V, sms, smem_sm, stream);
-        return fq_bwd_state_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
+        if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, c, cp, blocks, V, sms, smem_sm, stream);
+        return fq_bwd_state_launch_cfg<K, 2, 2>(a, c, cp, blocks, V, sms, smem_sm, stream);
     } else {
         if (ks == 2) {
-            if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, blocks, V, sms, smem_sm, stream);
-            if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 2>(a, blocks, V, sms, smem_sm, stream);
-            return fq_bwd_state_launch_cfg<K, 4, 2>(a, blocks, V, sms, smem_sm, stream);
+            if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 2>(a, c, cp, blocks, V, sms, smem_sm, stream);
+            if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 2>(a, c, cp, blocks, V, sms, smem_sm, stream);
+            return fq_bwd_state_launch_cfg<K, 4, 2>(a, c, cp, blocks, V, sms, smem_sm, stream);
         }
-        if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 1>(a, blocks, V, sms, smem_sm, stream);
-        if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 1>(a, blocks, V, sms, smem_sm, stream);
-        return fq_bwd_state_launch_cfg<K, 4, 1>(a, blocks, V, sms, smem_sm, stream);
+        if (bv == 16) return fq_bwd_state_launch_cfg<K, 1, 1>(a, c, cp, blocks, V, sms, smem_sm, stream);
+        if (bv == 32) return fq_bwd_state_launch_cfg<K, 2, 1>(a, c, cp, blocks, V, sms, smem_sm, stream);
+        return fq_bwd_state_launch_cfg<K, 4, 1>(a, c, cp, blocks, V, sms, smem_sm, stream);
     }
 }
 
-/* bv: state columns per block (16, 32, 64), ks: K-split (1, 2); both 0: the
- * environment variable FLASHQLA_CUDA_BWD_STATE=BV:KS (read once; for timing
- * the alternatives) or else the pick. 0 picks as
- * the forward's stage B does: K-split while every warp of it still gets an
- * SM sub-partition of its own (16-column groups <= 2 SMs), then 16 columns per
- * block if the groups fit the SMs one per SM, else 32; without the K-split 64
- * columns (4 warps sharing the K and W tiles). */
-fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int bv, int ks, cudaStream_t stream)
+/* One pass over `chains` 16-column chains (cols columns per chain unit of
+ * `units`: N sequences or seg_bound segment slots). bv: state columns per
+ * block (16, 32, 64), ks: K-split (1, 2); both 0: the environment variable
+ * FLASHQLA_CUDA_BWD_STATE=BV:KS (read once; for timing the alternatives) or
+ * else the pick, as the forward's stage B picks: K-split while every warp of
+ * it still gets an SM sub-partition of its own (16-column groups <= 2 SMs),
+ * then 16 columns per block if the groups fit the SMs one per SM, else 32;
+ * without the K-split 64 columns (4 warps sharing the K and W tiles). */
+static fq_status fq_bwd_state_pass(const fq_gdn_params *p, const fq_bwd_args &a, const fq_bwd_cp_args &c, int cp,
+                                   int64_t units, int cols, int bv, int ks, cudaStream_t stream)
 {
-    if (p->N <= 0) return FQ_OK;
     int dev = 0, sms = 132;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int smem_sm = 228 * 1024;
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
     const int V = (int)p->V;
-    const int64_t groups = p->N * p->HV * (V / 16);
+    const int64_t groups = units * p->HV * (cols / 16);
     if (bv == 0 && ks == 0) { /* FLASHQLA_CUDA_BWD_STATE=BV:KS (e.g. 32:1) overrides the pick */
         static int env_bv = -1, env_ks = 0;
         if (env_bv < 0) {
@@ -371,9 +464,36 @@ fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, int 
     }
     if ((bv != 16 && bv != 32 && bv != 64) || V % bv != 0 || (ks != 1 && ks != 2))
         return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state_launch: bad bv %d / ks %d", bv, ks);
-    const int64_t blocks = p->N * p->HV * (V / bv);
-    if (p->K == 128) return fq_bwd_state_launch_k<128>(a, blocks, V, sms, smem_sm, bv, ks, stream);
-    if (p->K == 64) return fq_bwd_state_launch_k<64>(a, blocks, V, sms, smem_sm, bv, ks, stream);
-    if (p->K == 256 && V == 256) return fq_bwd_state_launch_k<256>(a, blocks, V, sms, smem_sm, bv, ks, stream);
+    const int64_t blocks = units * p->HV * (cols / bv);
+    if (blocks <= 0) return FQ_OK;
+    if (p->K == 128) return fq_bwd_state_launch_k<128>(a, c, cp, blocks, V, sms, smem_sm, bv, ks, stream);
+    if (p->K == 64) return fq_bwd_state_launch_k<64>(a, c, cp, blocks, V, sms, smem_sm, bv, ks, stream);
+    if (p->K == 256 && V == 256) return fq_bwd_state_launch_k<256>(a, c, cp, blocks, V, sms, smem_sm, bv, ks, stream);
     return fq_cuda_head_dims_unsupported(p);
+}
+
+fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int bv, int ks,
+                              cudaStream_t stream)
+{
+    if (p->N <= 0) return FQ_OK;
+    const int V = (int)p->V, K = (int)p->K;
+    fq_bwd_cp_args c = {NULL, NULL, NULL};
+    if (!segws) return fq_bwd_state_pass(p, a, c, FQ_BWD_CP_NONE, p->N, V, bv, ks, stream);
+    /* context parallelism: MAP over every segment but each sequence's first, the
+     * reverse combine, then every segment from its E_s */
+    c.segs = segws->segs;
+    c.md = segws->md;
+    c.ss = segws->ss;
+    const int64_t units = segws->seg_bound;
+    fq_status st = fq_bwd_state_pass(p, a, c, FQ_BWD_CP_MAP, units, K + V, bv, ks, stream);
+    if (st != FQ_OK) return st;
+    const unsigned cgrid = (unsigned)(units * p->HV * (V / 16));
+    if (K == 128)
+        st = fq_launch_k(fq_cp_combine_kernel<128, 1>, cgrid, 128, 0, stream, fq_cuda_pdl_enabled(), c.segs,
+                         (const float *)c.md, a.dht, segws->ss, (int)p->HV, V, a.state_vk);
+    else
+        st = fq_launch_k(fq_cp_combine_kernel<64, 1>, cgrid, 64, 0, stream, fq_cuda_pdl_enabled(), c.segs,
+                         (const float *)c.md, a.dht, segws->ss, (int)p->HV, V, a.state_vk);
+    if (st != FQ_OK) return st;
+    return fq_bwd_state_pass(p, a, c, FQ_BWD_CP_SEG, units, V, bv, ks, stream);
 }

@@ -442,6 +442,9 @@ size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base, fq_fw
 #define FQ_CP_MIN_CHUNKS 8
 #endif
 int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
+/* Segment slots for nc_max chunk slots: N nseg_max, or fewer where the
+ * chunks cannot fill them (N + nc / FQ_CP_MIN_CHUNKS); from sizes only. */
+int64_t fq_cuda_fwd_seg_bound(const fq_gdn_params *p, int64_t nc, int nseg_max);
 /* 1 when the fused forward runs for p on the current device: an sm_90 GPU
  * running this module's sm_90a code, K and V in {64, 128} (never K = 256:
  * the three-stage forward runs it). */

@@ -146,6 +146,13 @@ extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_
     return off;
 }
 
+extern "C" int64_t fq_cuda_fwd_seg_bound(const fq_gdn_params *p, int64_t nc, int nseg_max)
+{
+    const int64_t N = p->N > 0 ? p->N : 0;
+    const int64_t bound = N * nseg_max, alt = N + nc / FQ_CP_MIN_CHUNKS;
+    return nseg_max > 1 && alt < bound ? alt : bound;
+}
+
 /* The fused forward's own part, from off on (ws->nc_max set). */
 static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off, fq_fwd_ws *ws)
 {
@@ -154,10 +161,9 @@ static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off
     ws->rec = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_REC_FLOATS) * 4);
     /* segments: nseg_max from the head shape only (never from data, never
      * from the batch), their slots bounded from sizes */
-    const int64_t N = p->N > 0 ? p->N : 0, K = p->K, V = p->V;
+    const int64_t K = p->K, V = p->V;
     ws->nseg_max = fq_cuda_fwd_nseg_max(p);
-    int64_t bound = N * ws->nseg_max, alt = N + nc / FQ_CP_MIN_CHUNKS;
-    ws->seg_bound = ws->nseg_max > 1 && alt < bound ? alt : bound;
+    ws->seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->nseg_max);
     ws->segs = (fq_seg_info *)fq_carve(base, &off, (size_t)(ws->seg_bound > 0 ? ws->seg_bound : 1) * sizeof(fq_seg_info));
     if (ws->nseg_max > 1) {
         ws->md = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * (K + V)) * 4);

@@ -93,4 +93,95 @@ static __device__ __forceinline__ void fq_pair_add(float P[8][4], const float2 *
     }
 }
 
+/* The combine step of context parallelism (the fused forward's, REV = 0;
+ * the backward's reverse state pass, REV = 1): one block of K threads
+ * (thread = state row kd) per (segment slot, value head, 16 state columns);
+ * only a sequence's segment 0 (REV: its last segment, n - 1) works, walking
+ * its segments:
+ *   forward:  S_0 = h0 at the sequence's slot (0 without one, NaN for a
+ *             duplicate slot)                          ->  ss[first]
+ *             S_{sigma+1} = M_sigma S_sigma + D_sigma  ->  ss[first + sigma + 1]
+ *   REV:      E_{n-1} = dht at the slot (0 without)    ->  ss[first + n - 1]
+ *             E_{sigma-1} = M_sigma E_sigma + D_sigma  ->  ss[first + sigma - 1]
+ *             (dS at a segment's end from dS at the next one's: the reverse
+ *             pass's map, gdn_cuda_bwd_state.cu)
+ * M_sigma (K x K) is read by column slices of 32 (K x 32 floats, 16 KB at
+ * K = 128), each slice by coalesced 128-byte row pieces (a warp: 4 rows)
+ * into shared memory (row stride 33: the row-per-thread reads below hit 32
+ * banks), the next slice's pieces in registers while the current one is
+ * multiplied: one L2 round trip per slice in flight at a time instead of
+ * one per 4 columns per thread. */
+template <int K, int REV>
+__global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *segs, const float *md, const float *h0,
+                                                          float *ss, int HV, int V, int vk)
+{
+    constexpr int SL = 32, LDM = SL + 1, NP = K * SL / 4 / K; /* float4 pieces per thread per slice: 8 */
+    __shared__ __align__(16) float S[K][16];
+    __shared__ float Ms[K * LDM];
+    fq_pdl_trigger();
+    fq_pdl_wait();
+    const int nvc = V / 16;
+    const int vc = blockIdx.x % nvc, j = (blockIdx.x / nvc) % HV, gs = blockIdx.x / (nvc * HV);
+    const fq_seg_info si = segs[gs];
+    if (si.seq < 0 || si.index != (REV ? si.count - 1 : 0) || si.count < 2) return;
+    constexpr int dir = REV ? -1 : 1; /* (the maps walked: gs, gs + dir, ...) */
+    const int kd = threadIdx.x;
+    const int64_t hbase = ((int64_t)si.slot * HV + j) * K * V;
+    const float fill = si.slot == FQ_SLOT_DUP ? __int_as_float(0x7fc00000) : 0.f;
+    float x[16];
+#pragma unroll
+    for (int c = 0; c < 16; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, 16 * vc + c, K, V, vk)] : fill;
+    float *ss0 = ss + (((int64_t)gs * HV + j) * K + kd) * V + 16 * vc;
+#pragma unroll
+    for (int c = 0; c < 16; c++) ss0[c] = x[c];
+    /* piece p of a slice: row (p K + kd) / 8, columns 4 ((p K + kd) % 8) .. + 3 of the slice */
+    auto load_slice = [&](float4 (&r)[NP], const float *mrow0, int s) {
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            const int f = p * K + kd, row = f >> 3, c4 = f & 7;
+            r[p] = *(const float4 *)(mrow0 + (int64_t)row * (K + V) + SL * s + 4 * c4);
+        }
+    };
+    for (int sg = 0; sg + 1 < si.count; sg++) {
+        const float *m0 = md + ((int64_t)(gs + dir * sg) * HV + j) * K * (K + V); /* [M | D] of segment gs + dir sg */
+        float4 nx[NP];
+        load_slice(nx, m0, 0);
+#pragma unroll
+        for (int c = 0; c < 16; c++) S[kd][c] = x[c];
+        /* row kd of D */
+#pragma unroll
+        for (int c = 0; c < 16; c += 4) {
+            const float4 d = *(const float4 *)(m0 + (int64_t)kd * (K + V) + K + 16 * vc + c);
+            x[c] = d.x, x[c + 1] = d.y, x[c + 2] = d.z, x[c + 3] = d.w;
+        }
+#pragma unroll 1
+        for (int s = 0; s < K / SL; s++) {
+            __syncthreads(); /* S written (s == 0); every thread done with the previous slice */
+#pragma unroll
+            for (int p = 0; p < NP; p++) {
+                const int f = p * K + kd, row = f >> 3, c4 = f & 7;
+                float *dst = Ms + row * LDM + 4 * c4;
+                dst[0] = nx[p].x, dst[1] = nx[p].y, dst[2] = nx[p].z, dst[3] = nx[p].w;
+            }
+            __syncthreads();
+            if (s + 1 < K / SL) load_slice(nx, m0, s + 1);
+            /* x += M[kd][32 s + m] S[32 s + m][:] */
+#pragma unroll 4
+            for (int m = 0; m < SL; m++) {
+                const float a = Ms[kd * LDM + m];
+                const float4 *sr = (const float4 *)&S[SL * s + m][0];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const float4 b = sr[q];
+                    x[4 * q] += a * b.x, x[4 * q + 1] += a * b.y, x[4 * q + 2] += a * b.z, x[4 * q + 3] += a * b.w;
+                }
+            }
+        }
+        float *dst = ss + (((int64_t)(gs + dir * (sg + 1)) * HV + j) * K + kd) * V + 16 * vc;
+#pragma unroll
+        for (int c = 0; c < 16; c++) dst[c] = x[c];
+        __syncthreads(); /* every thread done with S and the last slice */
+    }
+}
+
 #endif /* FQ_GDN_CUDA_STATE_CUH */
