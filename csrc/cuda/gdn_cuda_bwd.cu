@@ -162,9 +162,12 @@ static int fq_bwd_cp(const fq_bwd_ws *ws)
     return env && ws->seg.segs != NULL;
 }
 
-/* The whole backward on the current device. ev (NULL in the library): five
- * events recorded after steps 2, 3, 4, 5 and 6 (ev[3] == ev[4]: step 6 runs
- * inside 3 and 5), for dev/cuda/check_bwd.cu. */
+/* The whole backward on the current device. ev (NULL in the library): seven
+ * events, for dev/cuda/check_bwd.cu: ev[0..4] after steps 2, 3, 4, 5 and 6
+ * (ev[3] == ev[4]: step 6 runs inside 3 and 5); ev[5] after step 1 (prepare
+ * + stage A v3), ev[6] after the fused stage A of step 2 (== ev[5] with the
+ * three-stage state pass). (Events between the launches serialize stage A
+ * and the state pass where they would run beside each other.) */
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 {
     cudaStream_t stream = (cudaStream_t)p->stream;
@@ -175,6 +178,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     /* 0-2. recompute the forward's chunk table, gamma, A, W, U, h, Vn */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, stream)) != FQ_OK) return st;
+    if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
     if (fq_bwd_fused_recompute(p)) {
         /* the fused forward's chain: its workspace = the chunk table, norms and
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
@@ -188,9 +192,11 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
             if ((st = fq_cuda_fwd_inverse(p, &fz, 0, stream)) != FQ_OK) return st;
             if ((st = fq_cuda_fwd_segments(p, &fz, 0, stream)) != FQ_OK) return st;
         }
+        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_fused_states(p, &fz, beside != 0, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
-    } else if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) {
-        return st;
+    } else {
+        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
+        if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;
     }
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[0], stream));
 

@@ -521,9 +521,9 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     p.stream = s;
-    cudaEvent_t e0, e1, ev[5];
+    cudaEvent_t e0, e1, ev[7];
     CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 5; i++) CK(cudaEventCreate(&ev[i]));
+    for (int i = 0; i < 7; i++) CK(cudaEventCreate(&ev[i]));
     TimeResult tr;
     memset(&tr, 0, sizeof tr);
     snprintf(tr.label, sizeof tr.label, "%d/%d %dx%d", H, HV, B, T);
@@ -535,7 +535,7 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
             if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("timing: %s\n", fq_last_error()); nfail++; return; }
         CK(cudaStreamSynchronize(s));
         CK(cudaGetLastError());
-        std::vector<float> eager, graph, stage[5];
+        std::vector<float> eager, graph, stage[5], sub[3]; /* sub: the recompute's prep + stage A v3, fused stage A, state pass */
         for (int it = 0; it < 10; it++) {
             CK(cudaEventRecord(e0, s));
             fq_cuda_chunk_bwd(&p);
@@ -551,6 +551,13 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
             for (int i = 0; i < 5; i++) {
                 float ms; CK(cudaEventElapsedTime(&ms, e0, ev[i])); stage[i].push_back(ms - prev); prev = ms;
             }
+            float t5, t6, t0;
+            CK(cudaEventElapsedTime(&t5, e0, ev[5]));
+            CK(cudaEventElapsedTime(&t6, e0, ev[6]));
+            CK(cudaEventElapsedTime(&t0, e0, ev[0]));
+            sub[0].push_back(t5);
+            sub[1].push_back(t6 - t5);
+            sub[2].push_back(t0 - t6);
         }
         /* outputs (eager) */
         std::vector<uint16_t> o_dq = raw16(d.dq, nqk), o_dk = raw16(d.dk, nqk);
@@ -583,6 +590,8 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
                H, HV, B, T, tr.total, tr.eager, same ? "yes" : "NO", d.wsb / 1e9);
         printf("     stages: recompute(prep+wy+state) %.3f  local %.3f  state_bwd %.3f  wy_bwd %.3f ms\n",
                tr.stage[0], tr.stage[1], tr.stage[2], tr.stage[3]);
+        printf("     recompute: prep + stage A v3 %.3f  fused stage A %.3f  state pass %.3f ms (events between: "
+               "serialized)\n", med(sub[0]), med(sub[1]), med(sub[2]));
         fflush(stdout);
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(gr));
     }
