@@ -116,15 +116,6 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     ws->seg = ws->f; /* (its chunk and sequence tables) */
     ws->seg.nseg_max = K <= 128 ? fq_cuda_fwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
-    /* the maps and start states take a slot per sequence, split or not: with many
-     * short sequences (where splitting gains nothing) they would outgrow the rest,
-     * so the reverse pass splits only while they stay within dsl's size (2/4 x 32768:
-     * 7.5 of 64 MiB; 1000 sequences of 100 tokens at 2/4: 938 of 250, no split) */
-    if (ws->seg.nseg_max > 1 &&
-        (size_t)(ws->seg.seg_bound * HV * K * (K + 2 * V) * 4) > (size_t)(nc * HV * K * V * 2)) {
-        ws->seg.nseg_max = 1;
-        ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, 1);
-    }
     ws->seg.segs = NULL;
     ws->seg.md = ws->seg.ss = NULL;
     ws->seg.ready = NULL;
