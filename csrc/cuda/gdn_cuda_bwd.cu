@@ -184,16 +184,10 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
         fq_fwd_ws fz = ws.f;
         fq_cuda_fwd_fused_extras_layout(p, ws.dsl, &fz);
-        const int beside = fq_cuda_fwd_beside(p, &fz);
-        if (beside) {
-            if ((st = fq_cuda_fwd_segments(p, &fz, 1, stream)) != FQ_OK) return st;
-            if ((st = fq_cuda_fwd_inverse(p, &fz, beside, stream)) != FQ_OK) return st;
-        } else {
-            if ((st = fq_cuda_fwd_inverse(p, &fz, 0, stream)) != FQ_OK) return st;
-            if ((st = fq_cuda_fwd_segments(p, &fz, 0, stream)) != FQ_OK) return st;
-        }
+        int beside = 0;
+        if ((st = fq_cuda_fwd_stage_a(p, &fz, &beside, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
-        if ((st = fq_cuda_fwd_fused_states(p, &fz, beside != 0, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
+        if ((st = fq_cuda_fwd_fused_states(p, &fz, beside, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
     } else {
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;

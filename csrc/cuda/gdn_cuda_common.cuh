@@ -462,6 +462,9 @@ int fq_cuda_fwd_beside(const fq_gdn_params *p, const fq_fwd_ws *ws);
  * fq_cuda_fwd_beside's block count (0: as a kernel of its own); then it sets
  * ws->ready per item and lets the state pass launch once all its blocks run. */
 fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);
+/* fq_cuda_fwd_inverse and fq_cuda_fwd_segments in the order the state pass
+ * wants (beside: the table first, stage A beside the pass; *beside = 1). */
+fq_status fq_cuda_fwd_stage_a(const fq_gdn_params *p, const fq_fwd_ws *ws, int *beside, cudaStream_t stream);
 /* The segment table (and, beside, ws->ready cleared): the first kernel of
  * the fused forward's passes, before stage A when it runs beside them. */
 fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);

@@ -430,6 +430,22 @@ extern "C" size_t fq_cuda_chunk_fwd_workspace_bytes(const fq_gdn_params *p)
            (fq_cuda_fwd_fused_available(p) ? fq_cuda_fwd_fused_ws_layout(p, NULL, NULL) : fq_cuda_fwd_ws_layout(p, NULL, NULL));
 }
 
+/* Stage A of the fused forward and the segment table, in the order the state
+ * pass wants: stage A, then the table; or, beside (fq_cuda_fwd_beside), the
+ * table first and stage A at once with the state pass (*beside = 1 then). */
+extern "C" fq_status fq_cuda_fwd_stage_a(const fq_gdn_params *p, const fq_fwd_ws *ws, int *beside, cudaStream_t stream)
+{
+    fq_status st;
+    const int nb = fq_cuda_fwd_beside(p, ws);
+    *beside = nb != 0;
+    if (nb) {
+        if ((st = fq_cuda_fwd_segments(p, ws, 1, stream)) != FQ_OK) return st;
+        return fq_cuda_fwd_inverse(p, ws, nb, stream);
+    }
+    if ((st = fq_cuda_fwd_inverse(p, ws, 0, stream)) != FQ_OK) return st;
+    return fq_cuda_fwd_segments(p, ws, 0, stream);
+}
+
 /* Fused forward: 0. as below, A. gamma and A = (I+L)^-1 per chunk, B+C. the
  * state pass with the outputs (gdn_cuda_fwd_fused.cu). */
 static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
@@ -440,18 +456,9 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     fq_status st;
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st; /* [serving] */
-    /* A. stage A, then the segment table and the passes; or, beside
-     * (fq_cuda_fwd_beside), the segment table first and stage A at once with
-     * the state pass */
-    const int beside = fq_cuda_fwd_beside(p, &ws);
-    if (beside) {
-        if ((st = fq_cuda_fwd_segments(p, &ws, 1, stream)) != FQ_OK) return st;
-        if ((st = fq_cuda_fwd_inverse(p, &ws, beside, stream)) != FQ_OK) return st;
-    } else {
-        if ((st = fq_cuda_fwd_inverse(p, &ws, 0, stream)) != FQ_OK) return st;
-        if ((st = fq_cuda_fwd_segments(p, &ws, 0, stream)) != FQ_OK) return st;
-    }
-    if ((st = fq_cuda_fwd_fused(p, &ws, beside != 0, stream)) != FQ_OK) return st;
+    int beside = 0;
+    if ((st = fq_cuda_fwd_stage_a(p, &ws, &beside, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_fused(p, &ws, beside, stream)) != FQ_OK) return st;
     return fq_cuda_fwd_poison(p, &ws, stream);
 }
 
