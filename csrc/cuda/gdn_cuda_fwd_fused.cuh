@@ -48,6 +48,11 @@
  * stores S after every checkpoint_every tokens of a sequence from its
  * registers (the rows indexed by fq_cuda_fwd_checkpoint_index).
  *
+ * Modes (MODE): FULL (the above), MAP (a segment's affine state map for
+ * context parallelism: start [I | 0], no Q, no o) and HST (the backward's
+ * recompute: the chain as in FULL, no Q, no o; the output warpgroup instead
+ * stores each chunk's start state h and Vn, see its branch).
+ *
  * Only sm_90a code has the kernel; elsewhere it compiles to an empty body and
  * fq_cuda_fwd_fused_available() says no (gdn_cuda_fwd.cu then runs the
  * three-stage forward).
