@@ -76,6 +76,11 @@ def chunk_forward(q, k, v, g, beta, h0, scale, opt):
             Vn = A2 @ Yh
             if opt["vn"] == "ay2":            # Y split into two bf16 parts
                 Vn = Vn + A2 @ bf16(Y - Yh)
+        elif opt.get("vn") == "aby2":  # Vn = A (diag(beta) Y): A stored (bf16), beta on Y's rows
+            Y = bc[:, None] * (f32(Vc) - np.exp(gam)[:, None] * X)
+            Yh = bf16(Y)
+            Ab = bf16(A)
+            Vn = Ab @ Yh + Ab @ bf16(Y - Yh)
         else:
             Vn = U - W @ Sb
         Vnb = bf16(Vn)
@@ -127,6 +132,14 @@ def run(opt, T=4096, HV=4, seed=1):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "beta":
+        # A stored (for the fused backward's L backward, which needs A, not A diag(beta)) and
+        # beta applied to Y's rows before the bf16 split (NOTES, session 10) vs today's A''
+        for T, seed in ((2048, 1), (2048, 2), (4096, 3)):
+            for vn in ("ay2", "aby2"):
+                eo, eh = run({"inv": "bf16", "a_store": "bf16", "u": "fp32", "vn": vn}, T=T, seed=seed)
+                print(f"T {T} seed {seed} vn {vn:5s} o {eo:.2e}  ht {eh:.2e}")
+        sys.exit()
     if len(sys.argv) > 1 and sys.argv[1] == "cross":
         # the cross-chunk form of X (NOTES, session 8) against today's kernel (vn ay2, x direct)
         for T, seed in ((2048, 1), (2048, 2), (4096, 3)):
