@@ -6,8 +6,10 @@ dS, that forms every per-chunk gradient from the chunk's own inputs, its start
 state h (saved or recomputed by the forward chain) and dO -- in the fused
 forward's variables (gdn_cuda_fwd_fused.cu), with no W, U or stored Vn, dVn:
 
-    A'' = A diag(beta),  A = (I + L)^-1,  L = strict_lower(diag(beta) (K K^T . Gamma))
-    Y   = V - diag(e^gamma) K S,          Vn = A'' Y
+    A   = (I + L)^-1,  L = strict_lower(diag(beta) (K K^T . Gamma))
+    Y   = diag(beta) (V - diag(e^gamma) K S),   Vn = A Y
+          (beta on Y's rows, A itself stored: the form of the fused forward at
+          branch astore, and the one the L backward needs: A^T dA A^T)
     P   = scale lower_incl(Q K^T . Gamma)
     O   = scale diag(e^gamma) Q S + P Vn
     S'  = e^{gamma_C} S + K^T diag(kd) Vn,  kd = e^{gamma_C - gamma}
@@ -70,10 +72,10 @@ def fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
             KKG = (Kc @ Kc.T) * Gam
             L = (b[:, None] * KKG).tril(-1)
             A = torch.linalg.inv(torch.eye(n) + L)
-            A2 = A * b[None, :]                            # A'' = A diag(beta)
             X = Kc @ Sh                                    # X = K S
-            Y = Vc - eg[:, None] * X
-            Vn = A2 @ Y
+            Y0 = Vc - eg[:, None] * X
+            Y = b[:, None] * Y0                            # beta on Y's rows
+            Vn = A @ Y
             QK = Qc @ Kc.T
             P = scale * QK * Gam                           # lower incl. (Gam is)
             # O = scale diag(e^g) Q S + P Vn
@@ -97,18 +99,18 @@ def fused_bwd(q, k, v, g, beta, scale, h0, l2norm, do, dht, C):
             xs = kd * (KdS * Vn).sum(1)                    # d kd_r * kd_r
             dgam = dgam - xs
             dgam[-1] = dgam[-1] + xs.sum() + torch.exp(gC) * (Sh * dSn).sum()
-            # Vn = A'' Y
-            dA2 = dVn @ Y.T
-            dY = A2.T @ dVn
-            # Y = V - diag(e^g) K S
+            # Vn = A Y
+            dA = dVn @ Y.T
+            dYb = A.T @ dVn
+            # Y = diag(beta) Y0
+            db = (dYb * Y0).sum(1)
+            dY = b[:, None] * dYb
+            # Y0 = V - diag(e^g) K S
             dVc = dY
             edY = eg[:, None] * dY
             dS = dS - Kc.T @ edY
             dK = dK - edY @ Sh.T
             dgam = dgam - eg * (X * dY).sum(1)
-            # A'' = A diag(beta)
-            db = (A * dA2).sum(0)
-            dA = dA2 * b[None, :]
             # A = (I + L)^-1, L = strict_lower(diag(beta) (K K^T . Gamma))
             ddb, ddK, ddgam = l_backward(A, dA, L, KKG, b, Gam, Kc)
             db, dK, dgam = db + ddb, dK + ddK, dgam + ddgam

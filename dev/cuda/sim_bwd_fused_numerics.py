@@ -4,7 +4,8 @@ The per-chunk equations of dev/cuda/derive_bwd_fused_check.py (one reverse walk 
 sequence and head, gradients from the chunk start state h, dO and the chunk), with the
 roundings a wgmma kernel would have: bf16 tensor-core operands, float32 accumulation,
 h stored in bf16 by the forward chain, A'' = A diag(beta) stored in bf16 (as the
-fused forward's stage A stores it). Compared with the float64 reference backward
+fused forward's stage A stores it; option a = "a": A itself stored in bf16 and beta
+applied to Y's rows, the form of branch astore and of derive_bwd_fused_check.py). Compared with the float64 reference backward
 (flashqla.reference.backward) on model-like inputs (DESIGN §3) against the project's
 bf16 tolerances. Options choose the precision of the intermediates that feed products:
 
@@ -50,10 +51,13 @@ def head_backward(q, k, v, g, beta, h0, do, dht, scale, opt):
         KKG = (Kc @ Kc.T) * Gam
         L = np.tril(b[:, None] * KKG, -1).astype(np.float32)
         A = inv_blocked_bf16(L)
-        A2 = bf16(A * b[None, :])
+        aform = opt.get("a") == "a"
+        A2 = bf16(A) if aform else bf16(A * b[None, :])  # the stored operand
         hb = bf16(S)  # h as the forward chain stores it
         X = Kc @ hb
         Y = Vc - np.exp(gam)[:, None] * X
+        if aform:
+            Y = b[:, None] * Y
         Yh, Yl = split(Y)
         Vn = A2 @ Yh + A2 @ Yl
         kd = np.exp(gam[-1] - gam).astype(np.float32)
@@ -72,7 +76,8 @@ def head_backward(q, k, v, g, beta, h0, do, dht, scale, opt):
         kd = np.exp(gC - gam).astype(np.float32)
         # recomputed: Y, Vn from the stored h (bf16) as the forward formed them
         X = Kc @ hb
-        Y = Vc - eg[:, None] * X
+        Y0 = Vc - eg[:, None] * X
+        Y = b[:, None] * Y0 if aform else Y0
         Yh, Yl = split(Y)
         Vn = A2 @ Yh + A2 @ Yl
         P = scale * (Qc @ Kc.T) * Gam
@@ -105,14 +110,20 @@ def head_backward(q, k, v, g, beta, h0, do, dht, scale, opt):
             dVnb = bf16(dVn)
             dA2 = dVnb @ bf16(Y).T
         dY = A2.T @ dVnb
+        if aform:  # Y = diag(beta) Y0: Vn = A Y, dA = dVn Y^T directly
+            db_y = (dY * Y0).sum(1)
+            dY = b[:, None] * dY
         # Y = V - diag(e^g) K S
         edY = eg[:, None] * dY
         dS = dS - Kc.T @ bf16(edY)
         dK = dK - bf16(edY) @ hb.T
         dgam = dgam - eg * (X * dY).sum(1)
         # A'' = A diag(beta); A = (I + L)^-1; L = strict_lower(diag(beta) (K K^T . Gamma))
-        db = (A * dA2).sum(0)
-        dA = dA2 * b[None, :]
+        if aform:
+            db, dA = db_y, dA2
+        else:
+            db = (A * dA2).sum(0)
+            dA = dA2 * b[None, :]
         dL = -np.tril(bf16(A).T @ bf16(bf16(dA) @ bf16(A).T), -1)
         db = db + (dL * KKG).sum(1)
         Hm = b[:, None] * dL * Gam
@@ -150,7 +161,8 @@ if __name__ == "__main__":
     print("tolerances", " ".join(f"{n} {t:.0e}" for n, t in tol.items()))
     for opt in ({"dS": "bf16", "dvn": "bf16"},
                 {"dS": "split", "dvn": "bf16"},
-                {"dS": "bf16", "dvn": "split"}):
+                {"dS": "bf16", "dvn": "split"},
+                {"dS": "bf16", "dvn": "bf16", "a": "a"}):
         for T, seed in ((2048, 1), (2048, 2)):
             e = run(opt, T=T, seed=seed)
             worst = max(e[n] / tol[n] for n in e)
