@@ -113,12 +113,9 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
-    ws->seg = ws->f; /* (its chunk and sequence tables) */
+    ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
     ws->seg.nseg_max = K <= 128 ? fq_cuda_fwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
-    ws->seg.segs = NULL;
-    ws->seg.md = ws->seg.ss = NULL;
-    ws->seg.ready = NULL;
     if (ws->seg.nseg_max > 1) {
         const int64_t sb = ws->seg.seg_bound;
         FQ_CARVE(ws->seg.segs, fq_seg_info *, (sb > 0 ? sb : 1) * (int64_t)sizeof(fq_seg_info));

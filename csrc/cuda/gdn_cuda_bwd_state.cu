@@ -487,13 +487,6 @@ fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, cons
     const int64_t units = segws->seg_bound;
     fq_status st = fq_bwd_state_pass(p, a, c, FQ_BWD_CP_MAP, units, K + V, bv, ks, stream);
     if (st != FQ_OK) return st;
-    const unsigned cgrid = (unsigned)(units * p->HV * (V / 16));
-    if (K == 128)
-        st = fq_launch_k(fq_cp_combine_kernel<128, 1>, cgrid, 128, 0, stream, fq_cuda_pdl_enabled(), c.segs,
-                         (const float *)c.md, a.dht, segws->ss, (int)p->HV, V, a.state_vk);
-    else
-        st = fq_launch_k(fq_cp_combine_kernel<64, 1>, cgrid, 64, 0, stream, fq_cuda_pdl_enabled(), c.segs,
-                         (const float *)c.md, a.dht, segws->ss, (int)p->HV, V, a.state_vk);
-    if (st != FQ_OK) return st;
+    if ((st = fq_cp_combine_launch<1>(p, segws, a.dht, stream)) != FQ_OK) return st;
     return fq_bwd_state_pass(p, a, c, FQ_BWD_CP_SEG, units, V, bv, ks, stream);
 }

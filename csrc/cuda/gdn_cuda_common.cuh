@@ -471,11 +471,6 @@ fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_ws *ws, int 
 /* The fused state pass and outputs: o and, if non-NULL, ht (after
  * fq_cuda_fwd_segments). beside: stage A runs beside it (poll ws->ready). */
 fq_status fq_cuda_fwd_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream);
-/* Context parallelism's MAP pass and combine step (the segment start
- * states into ws->ss) where sequences are split (ws->nseg_max > 1; else
- * nothing): the first launches of fq_cuda_fwd_fused and of
- * fq_cuda_fwd_fused_states. */
-fq_status fq_cuda_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* The backward's recompute on the fused kernel (its MAP pass and combine as
  * above, then the state pass in mode HST): no o, no ht; each chunk's start
  * state to h [nc_max, HV, K, V] and Vn to vn [nc_max, HV, 64, V] (bf16, the

@@ -183,16 +183,10 @@ extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base
 
 extern "C" size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
 {
-    fq_fwd_ws tmp;
-    if (!ws) {
-        ws = &tmp;
-        memset(ws, 0, sizeof *ws);
-    }
-    if (!base_) { /* (sizes only: nc_max from the sizes, as the layouts set it) */
-        fq_fwd_ws c;
-        fq_fwd_ws_common(p, NULL, &c);
-        ws->nc_max = c.nc_max;
-    }
+    fq_fwd_ws tmp, c;
+    if (!ws) ws = &tmp;
+    fq_fwd_ws_common(p, NULL, &c); /* (nc_max from the sizes, as every layout sets it) */
+    ws->nc_max = c.nc_max;
     return fq_fwd_fused_extras(p, (char *)base_, 0, ws);
 }
 

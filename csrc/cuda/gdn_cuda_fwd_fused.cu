@@ -128,36 +128,15 @@ extern "C" int fq_cuda_fwd_fused_available(const fq_gdn_params *p)
     return per_dev[dev] == 1;
 }
 
-/* Context parallelism's first two steps where the sequences are split (nseg_max > 1): the MAP
- * pass and the combine step (segment start states into ws->ss). */
-template <int K>
-static fq_status fq_fwd_fused_cp_k(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m,
-                                   cudaStream_t stream)
+fq_status fq_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m, cudaStream_t stream)
 {
-    if (ws->nseg_max <= 1) return FQ_OK; /* (never beside: fq_cuda_fwd_beside) */
+    if (ws->seg_bound <= 0 || ws->nseg_max <= 1) return FQ_OK; /* (never beside: fq_cuda_fwd_beside) */
     fq_status st;
-    if ((st = fq_launch_fused<K, FQ_FUSED_MAP>(p, ws, m, NULL, stream)) != FQ_OK) return st;
-    const unsigned cgrid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
-    return fq_launch_k(fq_cp_combine_kernel<K, 0>, cgrid, K, 0, stream, fq_cuda_pdl_enabled(),
-                       (const fq_seg_info *)ws->segs, (const float *)ws->md,
-                       (const float *)(p->state ? p->state : p->h0), ws->ss, (int)p->HV, (int)p->V,
-                       (int)p->state_vk);
-}
-
-extern "C" fq_status fq_cuda_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
-{
-    if (ws->seg_bound <= 0 || ws->nseg_max <= 1) return FQ_OK;
-    fq_status st;
-    fq_fused_maps m;
-    if (p->K == 128) {
-        if ((st = fq_fused_maps_of<128>(p, ws, &m)) != FQ_OK) return st;
-        return fq_fwd_fused_cp_k<128>(p, ws, m, stream);
-    }
-    if (p->K == 64) {
-        if ((st = fq_fused_maps_of<64>(p, ws, &m)) != FQ_OK) return st;
-        return fq_fwd_fused_cp_k<64>(p, ws, m, stream);
-    }
-    return fq_cuda_head_dims_unsupported(p);
+    if (p->K == 128) st = fq_launch_fused<128, FQ_FUSED_MAP>(p, ws, m, NULL, stream);
+    else if (p->K == 64) st = fq_launch_fused<64, FQ_FUSED_MAP>(p, ws, m, NULL, stream);
+    else return fq_cuda_head_dims_unsupported(p);
+    if (st != FQ_OK) return st;
+    return fq_cp_combine_launch<0>(p, ws, (const float *)(p->state ? p->state : p->h0), stream);
 }
 
 template <int K>
@@ -167,7 +146,7 @@ static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, int
     fq_status st;
     fq_fused_maps m;
     if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
-    if ((st = fq_fwd_fused_cp_k<K>(p, ws, m, stream)) != FQ_OK) return st;
+    if ((st = fq_fwd_fused_cp(p, ws, m, stream)) != FQ_OK) return st;
     return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, beside ? ws->ready : NULL, stream);
 }
 

@@ -188,6 +188,24 @@ static __device__ __forceinline__ void fq_stsm_pairs(unsigned char *tile, int w,
     fq_stsm_x4(fq_smem_u32(tile + fq_sw128(row, 16 * (nb & 7))), p00, p01, p10, p11);
 }
 
+/* HST: one group of four 8 x 8 blocks of a bf16 SWIZZLE_128B tile `src`
+ * (rows v = 8 (4 vh + m) .. for matrix m, the 16 bytes at byte cbyte of each
+ * row) transposed into the staging tile `dst` (rows 8 cb .., bytes
+ * 16 (4 vh + m) ..): ldmatrix.trans gives each thread the transposed
+ * fragment, stmatrix stores it as it is. Lane l addresses row l % 8 of
+ * matrix l / 8 on both sides. MASK: destination rows >= lim to zero (the
+ * thread's elements are in row 8 cb + lane / 4). */
+template <int MASK>
+static __device__ __forceinline__ void fq_hst_transpose4(const unsigned char *src, int cbyte, unsigned char *dst,
+                                                         int cb, int vh, int lim)
+{
+    const int lane = threadIdx.x & 31, l8 = lane & 7, vb8 = 4 * vh + (lane >> 3);
+    uint32_t x[4];
+    fq_ldsm_x4_trans(x, fq_smem_u32(src + fq_sw128(8 * vb8 + l8, cbyte)));
+    if (MASK && 8 * cb + (lane >> 2) >= lim) x[0] = x[1] = x[2] = x[3] = 0u;
+    fq_stsm_x4(fq_smem_u32(dst + fq_sw128(8 * cb + l8, 16 * vb8)), x[0], x[1], x[2], x[3]);
+}
+
 /* A descriptor moved by `bytes` (a multiple of 16): the start address is the
  * low 14-bit field, and no tile crosses 256 KB, so the field cannot carry. */
 static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes)
@@ -409,33 +427,22 @@ __global__ void __launch_bounds__(384, 1)
                  * TMA store (tm_o: h, tm_q: vn; fq_cuda_fwd_fused_states) */
                 fq_mbar_arrive(&empty[s]); /* nothing of the stage's loads is read here */
                 unsigned char *hs = st + SM::off_q;
-                const int l8 = lane & 7, lm = lane >> 3;
                 /* the staging tiles are free once the stores of the chunk before have read them */
                 if (tp == 0) fq_bulk_wait_read0();
                 fq_named_bar(3, 128);
                 fq_mbar_wait(&sb_full[b], par);
                 const unsigned char *sbt = smem + SM::off_sb + b * KT * FQ_TILE;
 #pragma unroll
-                for (int q = 0; q < K / 16; q++) {
-                    /* group grp of 4 blocks: kd block kdb, v blocks 4 (grp & 1) + lm (matrix lm) */
-                    const int grp = 4 * q + w, kdb = grp >> 1, vb8 = 4 * (grp & 1) + lm;
-                    uint32_t x[4];
-                    fq_ldsm_x4_trans(x, fq_smem_u32(sbt + (kdb >> 3) * FQ_TILE + fq_sw128(8 * vb8 + l8, 16 * (kdb & 7))));
-                    /* lane l's address: row kd = 8 kdb + l8 of matrix lm (v block 4 vh + lm) */
-                    fq_stsm_x4(fq_smem_u32(hs + fq_sw128(8 * kdb + l8, 16 * vb8)), x[0], x[1], x[2], x[3]);
+                for (int q = 0; q < K / 16; q++) { /* group 4 q + w: kd block kdb, v blocks 4 (w & 1).. */
+                    const int kdb = (4 * q + w) >> 1;
+                    fq_hst_transpose4<0>(sbt + (kdb >> 3) * FQ_TILE, 16 * (kdb & 7), hs, kdb, w & 1, 0);
                 }
                 fq_mbar_arrive(&sb_empty[b]); /* S^T read (its values are in the staging now) */
                 fq_mbar_wait(&vn_full[b], par);
                 const unsigned char *vnt = smem + SM::off_vn + b * FQ_TILE;
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const int grp = 4 * q + w, rb = grp >> 1, vb8 = 4 * (grp & 1) + lm;
-                    uint32_t x[4];
-                    fq_ldsm_x4_trans(x, fq_smem_u32(vnt + fq_sw128(8 * vb8 + l8, 16 * rb)));
-                    /* this thread's elements of matrix m: row r = 8 rb + lane / 4 */
-                    if (8 * rb + (lane >> 2) >= len) x[0] = x[1] = x[2] = x[3] = 0u;
-                    fq_stsm_x4(fq_smem_u32(Os + fq_sw128(8 * rb + l8, 16 * vb8)), x[0], x[1], x[2], x[3]);
-                }
+                for (int q = 0; q < 4; q++) /* group 4 q + w: r block (4 q + w) / 2, v blocks 4 (w & 1).. */
+                    fq_hst_transpose4<1>(vnt, 16 * ((4 * q + w) >> 1), Os, (4 * q + w) >> 1, w & 1, len);
                 fq_mbar_arrive(&vn_empty[b]); /* Vn^T read */
                 fq_fence_async_smem();
                 fq_named_bar(3, 128);
@@ -898,5 +905,11 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     return fq_launch_k(fq_fwd_fused_kernel<K, MODE>, (unsigned)blocks, 384, bytes, stream, fq_cuda_pdl_enabled(), m.q,
                        m.k, m.v, m.o, args, ready);
 }
+
+/* Context parallelism's MAP pass and combine step (the segment start states
+ * into ws->ss) where sequences are split (ws->nseg_max > 1; else nothing),
+ * with the caller's maps (MAP reads k and v): the first launches of
+ * fq_cuda_fwd_fused and fq_cuda_fwd_fused_states (gdn_cuda_fwd_fused.cu). */
+fq_status fq_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m, cudaStream_t stream);
 
 #endif /* FQ_GDN_CUDA_FWD_FUSED_CUH */

@@ -30,7 +30,7 @@ static fq_status fq_fwd_fused_states_k(const fq_gdn_params *p, const fq_fwd_ws *
     const uint32_t bh[3] = {64, (uint32_t)K, 1}, bn[3] = {64, 64, 1};
     if ((st = fq_tmap(&m.o, h, 3, dh, sh, bh)) != FQ_OK) return st;
     if ((st = fq_tmap(&m.q, vn, 3, dn, sn, bn)) != FQ_OK) return st;
-    if ((st = fq_cuda_fwd_fused_cp(p, ws, stream)) != FQ_OK) return st;
+    if ((st = fq_fwd_fused_cp(p, ws, m, stream)) != FQ_OK) return st; /* (MAP reads k and v only) */
     return fq_launch_fused<K, FQ_FUSED_HST>(p, ws, m, beside ? ws->ready : NULL, stream);
 }
 

@@ -184,4 +184,24 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
     }
 }
 
+#ifdef __cplusplus
+/* The combine step over ws's segment slots (ws->segs, md, ss, seg_bound;
+ * K = 64 or 128): h0 is the forward's start states (REV = 0) or the
+ * backward's dht (REV = 1), in layout p->state_vk. */
+template <int REV>
+static fq_status fq_cp_combine_launch(const fq_gdn_params *p, const fq_fwd_ws *ws, const float *h0,
+                                      cudaStream_t stream)
+{
+    const unsigned grid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
+    const int pdl = fq_cuda_pdl_enabled();
+    if (p->K == 128)
+        return fq_launch_k(fq_cp_combine_kernel<128, REV>, grid, 128, 0, stream, pdl, (const fq_seg_info *)ws->segs,
+                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk);
+    if (p->K == 64)
+        return fq_launch_k(fq_cp_combine_kernel<64, REV>, grid, 64, 0, stream, pdl, (const fq_seg_info *)ws->segs,
+                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk);
+    return fq_cuda_head_dims_unsupported(p);
+}
+#endif
+
 #endif /* FQ_GDN_CUDA_STATE_CUH */
