@@ -88,7 +88,7 @@ typedef struct fq_bwd_ws {
     float *dgam;   /* [nc, HV, 64]     */
     float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
     /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
-     * seg.segs [seg_bound], seg.md [seg_bound, HV, K, K + V], seg.ss [seg_bound, HV, K, V] */
+     * seg.segs [seg_bound], seg.md [cp_bound, HV, K, K + V], seg.ss [cp_bound, HV, K, V] */
     fq_fwd_ws seg;
 } fq_bwd_ws;
 
@@ -116,11 +116,12 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
     ws->seg.nseg_max = K <= 128 ? fq_cuda_fwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
+    ws->seg.cp_bound = fq_cuda_fwd_cp_bound(p, nc, ws->seg.nseg_max);
     if (ws->seg.nseg_max > 1) {
         const int64_t sb = ws->seg.seg_bound;
         FQ_CARVE(ws->seg.segs, fq_seg_info *, (sb > 0 ? sb : 1) * (int64_t)sizeof(fq_seg_info));
-        FQ_CARVE(ws->seg.md, float *, sb * HV * K * (K + V) * 4);
-        FQ_CARVE(ws->seg.ss, float *, sb * HV * K * V * 4);
+        FQ_CARVE(ws->seg.md, float *, ws->seg.cp_bound * HV * K * (K + V) * 4);
+        FQ_CARVE(ws->seg.ss, float *, ws->seg.cp_bound * HV * K * V * 4);
     }
 #undef FQ_CARVE
     ws->f.a = ws->a;

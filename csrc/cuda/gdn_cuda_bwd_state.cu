@@ -96,8 +96,8 @@ static __device__ __forceinline__ void fq_bar_pair(int grp)
 #define FQ_BWD_CP_SEG 2
 struct fq_bwd_cp_args {
     const fq_seg_info *segs; /* the segment table (fq_cuda_fwd_segments) */
-    float *md;               /* [seg_bound, HV, K, K + V] the segments' maps */
-    const float *ss;         /* [seg_bound, HV, K, V] E_s, each segment's start dS */
+    float *md;               /* [cp_bound, HV, K, K + V] the segments' maps (by fq_seg_info.cp) */
+    const float *ss;         /* [cp_bound, HV, K, V] E_s, each split sequence's segment's start dS (by .cp) */
 };
 
 template <int K, int NW, int NS, int KS, int CP>
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
     const int hq = j / (HV / H);
     /* n: the sequence (CP 0) or the segment slot; seq: the sequence */
     fq_seq_info si;
-    int seq = n, sidx = 0, scount = 1;
+    int seq = n, sidx = 0, scount = 1, cps = 0; /* cps: the segment's map / start-state slot */
     if constexpr (CP == FQ_BWD_CP_NONE) {
         si = a.seqs[n];
     } else {
@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
         seq = sg.seq;
         sidx = sg.index;
         scount = sg.count;
+        cps = sg.cp;
     }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int grp = warp / KS, kh = warp % KS;
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
         int svk = 0;
         if (!MAP && scount > 1) {
             src = c.ss;
-            off = ((int64_t)n * HV + j) * K * V;
+            off = ((int64_t)cps * HV + j) * K * V;
         } else if (!MAP && a.dht) {
             src = a.dht;
             off = state_off;
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_ar
     fq_cp_async_wait<0>();
 
     if constexpr (MAP) /* columns vw.. of the segment's [M | D] */
-        fq_state_slice_store<NKT>(D, c.md, ((int64_t)n * HV + j) * K * (K + V), k0, vw, K, K + V, 0, g, t);
+        fq_state_slice_store<NKT>(D, c.md, ((int64_t)cps * HV + j) * K * (K + V), k0, vw, K, K + V, 0, g, t);
     else if (a.dh0 && sidx == 0) /* (CP 2: the sequence's first segment ends the walk) */
         fq_state_slice_store<NKT>(D, a.dh0, state_off, k0, vw, K, V, a.state_vk, g, t);
 }

@@ -325,7 +325,9 @@ typedef struct fq_seg_info {
     int nchunks; /* chunks in the segment                                     */
     int index;   /* its place in the sequence, 0 .. count - 1                 */
     int count;   /* segments of the sequence                                  */
-    int first;   /* global index of the sequence's segment 0                  */
+    int cp;      /* its slot in the maps and start states (ws->md, ws->ss): its
+                    place among the segments of split sequences (count > 1),
+                    consecutive within a sequence; -1 when count == 1        */
     int cfirst;  /* chunks of its sequence before the segment                 */
     int slot;    /* the sequence's state slot in h0 / ht (n; with a pool its index
                     state_indices[n]), FQ_SLOT_NONE (start from zeros, write
@@ -404,10 +406,13 @@ typedef struct fq_fwd_ws {
     int nseg_max;            /* segments per sequence at most (1: none)       */
     int64_t seg_bound;       /* segment slots (from sizes only)               */
     fq_seg_info *segs;       /* [seg_bound]                                   */
-    float *md;               /* [seg_bound, HV, K, K + V] segment maps [M | D]
-                                (NULL when nseg_max == 1)                    */
-    float *ss;               /* [seg_bound, HV, K, V] segment start states
-                                (NULL when nseg_max == 1)                    */
+    int64_t cp_bound;        /* slots of md and ss: min(seg_bound, nc_max / FQ_CP_MIN_CHUNKS),
+                                the segments of split sequences at most (each has
+                                >= FQ_CP_MIN_CHUNKS chunks); from sizes only    */
+    float *md;               /* [cp_bound, HV, K, K + V] segment maps [M | D], by
+                                fq_seg_info.cp (NULL when nseg_max == 1)     */
+    float *ss;               /* [cp_bound, HV, K, V] segment start states, by
+                                fq_seg_info.cp (NULL when nseg_max == 1)     */
     int *ready;              /* fused forward: [nc_max, HV] stage A's flags, set
                                 per (chunk, value head) when its A'' and record
                                 are written (read only when stage A runs beside
@@ -445,6 +450,8 @@ int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* Segment slots for nc_max chunk slots: N nseg_max, or fewer where the
  * chunks cannot fill them (N + nc / FQ_CP_MIN_CHUNKS); from sizes only. */
 int64_t fq_cuda_fwd_seg_bound(const fq_gdn_params *p, int64_t nc, int nseg_max);
+/* Slots of the maps and start states: the segments of split sequences at most. */
+int64_t fq_cuda_fwd_cp_bound(const fq_gdn_params *p, int64_t nc, int nseg_max);
 /* 1 when the fused forward runs for p on the current device: an sm_90 GPU
  * running this module's sm_90a code, K and V in {64, 128} (never K = 256:
  * the three-stage forward runs it). */

@@ -153,6 +153,13 @@ extern "C" int64_t fq_cuda_fwd_seg_bound(const fq_gdn_params *p, int64_t nc, int
     return nseg_max > 1 && alt < bound ? alt : bound;
 }
 
+extern "C" int64_t fq_cuda_fwd_cp_bound(const fq_gdn_params *p, int64_t nc, int nseg_max)
+{
+    if (nseg_max <= 1) return 0;
+    const int64_t sb = fq_cuda_fwd_seg_bound(p, nc, nseg_max), split = nc / FQ_CP_MIN_CHUNKS;
+    return split < sb ? split : sb;
+}
+
 /* The fused forward's own part, from off on (ws->nc_max set). */
 static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off, fq_fwd_ws *ws)
 {
@@ -165,9 +172,10 @@ static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off
     ws->nseg_max = fq_cuda_fwd_nseg_max(p);
     ws->seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->nseg_max);
     ws->segs = (fq_seg_info *)fq_carve(base, &off, (size_t)(ws->seg_bound > 0 ? ws->seg_bound : 1) * sizeof(fq_seg_info));
+    ws->cp_bound = fq_cuda_fwd_cp_bound(p, nc, ws->nseg_max);
     if (ws->nseg_max > 1) {
-        ws->md = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * (K + V)) * 4);
-        ws->ss = (float *)fq_carve(base, &off, (size_t)(ws->seg_bound * HV * K * V) * 4);
+        ws->md = (float *)fq_carve(base, &off, (size_t)(ws->cp_bound * HV * K * (K + V)) * 4);
+        ws->ss = (float *)fq_carve(base, &off, (size_t)(ws->cp_bound * HV * K * V) * 4);
     }
     ws->ready = (int *)fq_carve(base, &off, (size_t)(nc * HV) * 4);
     return off;

@@ -35,17 +35,18 @@ extern "C" int fq_cuda_fwd_nseg_max(const fq_gdn_params *p)
  * negative slot or one >= P, FQ_SLOT_DUP for a slot an earlier sequence
  * names (as the three-stage state pass does). */
 __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info *seqs, int N, int nseg_max,
-                                                               int seg_bound, fq_seg_info *segs, const void *idx,
-                                                               int idx64, int64_t P, int *ready, int64_t nready)
+                                                               int seg_bound, int64_t cp_bound, fq_seg_info *segs,
+                                                               const void *idx, int idx64, int64_t P, int *ready,
+                                                               int64_t nready)
 {
     __shared__ int s_warp[32];
-    __shared__ int s_carry;
+    __shared__ int s_carry, s_cpcarry;
     fq_pdl_trigger();
     fq_pdl_wait();
     const int tid = threadIdx.x, nth = blockDim.x;
     /* stage A's flags, before stage A (beside the state pass) sets them */
     for (int64_t x = tid; x < nready; x += nth) ready[x] = 0;
-    if (tid == 0) s_carry = 0;
+    if (tid == 0) s_carry = s_cpcarry = 0;
     __syncthreads();
     for (int base = 0; base < N; base += nth) {
         const int n = base + tid;
@@ -65,8 +66,12 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
             if (L < 1) L = 1;
             nseg = si.nchunks > 0 ? (si.nchunks + L - 1) / L : 1; /* an empty sequence: one segment (ht = h0) */
         }
-        /* this sequence's first segment: the exclusive prefix sum of nseg */
+        /* this sequence's first segment: the exclusive prefix sum of nseg; its first
+         * map / start-state slot: that of nseg over the split sequences only */
         const int first = s_carry + fq_block_inclusive_scan(nseg, s_warp) - nseg;
+        __syncthreads(); /* (s_warp reused) */
+        const int ncp = nseg > 1 ? nseg : 0;
+        const int cpfirst = s_cpcarry + fq_block_inclusive_scan(ncp, s_warp) - ncp;
         for (int sg = 0; sg < nseg; sg++) {
             fq_seg_info e;
             e.seq = n;
@@ -78,18 +83,22 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
             if (e.len < 0) e.len = 0;
             e.index = sg;
             e.count = nseg;
-            e.first = first;
+            e.cp = ncp ? cpfirst + sg : -1;
+            if (e.cp >= cp_bound) e.seq = -1; /* (only an invalid chunk table gets here: its outputs are NaN) */
             e.cfirst = L * sg;
             e.slot = slot;
             if (first + sg < seg_bound) segs[first + sg] = e;
         }
         __syncthreads();
-        if (tid == nth - 1) s_carry = first + nseg;
+        if (tid == nth - 1) {
+            s_carry = first + nseg;
+            s_cpcarry = cpfirst + ncp;
+        }
         __syncthreads();
     }
     const int total = s_carry;
     for (int sg = total + tid; sg < seg_bound; sg += nth) {
-        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, 0, 0, FQ_SLOT_NONE};
+        fq_seg_info e = {-1, 0, 0, 0, 0, 0, 0, -1, 0, FQ_SLOT_NONE};
         segs[sg] = e;
     }
 }
@@ -161,7 +170,7 @@ extern "C" fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_w
 {
     if (ws->seg_bound <= 0) return FQ_OK;
     return fq_launch_k(fq_fwd_segments_kernel, 1, 1024, 0, stream, fq_cuda_pdl_enabled(), (const fq_seq_info *)ws->seqs,
-                       (int)p->N, ws->nseg_max, (int)ws->seg_bound, ws->segs,
+                       (int)p->N, ws->nseg_max, (int)ws->seg_bound, ws->cp_bound, ws->segs,
                        p->state ? p->state_indices : (const void *)NULL, p->state_indices_is_int64, (int64_t)p->P,
                        beside ? ws->ready : (int *)NULL, (int64_t)(beside ? ws->nc_max * p->HV : 0));
 }

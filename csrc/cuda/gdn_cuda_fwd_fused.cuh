@@ -108,8 +108,8 @@ template <int K> struct fq_fused_smem {
 
 struct fq_fused_args {
     const fq_seg_info *segs;
-    float *md;           /* MAP: [seg_bound, HV, K, K + V] out */
-    const float *ss;     /* FULL: [seg_bound, HV, K, V] start states of segments 1.. */
+    float *md;           /* MAP: [cp_bound, HV, K, K + V] out, by fq_seg_info.cp */
+    const float *ss;     /* FULL: [cp_bound, HV, K, V] start states of split sequences' segments, by .cp */
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
     const fq_bf16 *a;    /* [nc_max, HV, FQ_APACK_ELEMS] A'' packed */
     const float *h0;     /* [N, HV, K, V] or NULL; [serving] the pool [P, HV, K, V] */
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(384, 1)
         if (!MAP) {
             if (si.count > 1) {
                 s0 = args.ss;
-                s0base = ((int64_t)gs * HV + j) * K * V;
+                s0base = ((int64_t)si.cp * HV + j) * K * V;
             } else if (si.slot >= 0 && args.h0) {
                 s0 = args.h0;
                 s0base = ((int64_t)si.slot * HV + j) * K * V;
@@ -782,7 +782,7 @@ __global__ void __launch_bounds__(384, 1)
         int c0 = 0, dcols = K + V, dvk = 0;
         if (MAP) {
             dst = args.md;
-            dbase = ((int64_t)gs * HV + j) * K * (K + V);
+            dbase = ((int64_t)si.cp * HV + j) * K * (K + V);
             c0 = 64 * cb;
         } else if (si.index == si.count - 1 && si.slot >= 0) {
             dst = args.ht;

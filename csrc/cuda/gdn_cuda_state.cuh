@@ -124,14 +124,15 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
     const int vc = blockIdx.x % nvc, j = (blockIdx.x / nvc) % HV, gs = blockIdx.x / (nvc * HV);
     const fq_seg_info si = segs[gs];
     if (si.seq < 0 || si.index != (REV ? si.count - 1 : 0) || si.count < 2) return;
-    constexpr int dir = REV ? -1 : 1; /* (the maps walked: gs, gs + dir, ...) */
+    constexpr int dir = REV ? -1 : 1; /* (the maps walked: si.cp, si.cp + dir, ...) */
     const int kd = threadIdx.x;
     const int64_t hbase = ((int64_t)si.slot * HV + j) * K * V;
     const float fill = si.slot == FQ_SLOT_DUP ? __int_as_float(0x7fc00000) : 0.f;
     float x[16];
 #pragma unroll
     for (int c = 0; c < 16; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, 16 * vc + c, K, V, vk)] : fill;
-    float *ss0 = ss + (((int64_t)gs * HV + j) * K + kd) * V + 16 * vc;
+    /* (md and ss by the segments' compact slots: si.cp, si.cp + dir, ...) */
+    float *ss0 = ss + (((int64_t)si.cp * HV + j) * K + kd) * V + 16 * vc;
 #pragma unroll
     for (int c = 0; c < 16; c++) ss0[c] = x[c];
     /* piece p of a slice: row (p K + kd) / 8, columns 4 ((p K + kd) % 8) .. + 3 of the slice */
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
         }
     };
     for (int sg = 0; sg + 1 < si.count; sg++) {
-        const float *m0 = md + ((int64_t)(gs + dir * sg) * HV + j) * K * (K + V); /* [M | D] of segment gs + dir sg */
+        const float *m0 = md + ((int64_t)(si.cp + dir * sg) * HV + j) * K * (K + V); /* [M | D] of slot cp + dir sg */
         float4 nx[NP];
         load_slice(nx, m0, 0);
 #pragma unroll
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
                 }
             }
         }
-        float *dst = ss + (((int64_t)(gs + dir * (sg + 1)) * HV + j) * K + kd) * V + 16 * vc;
+        float *dst = ss + (((int64_t)(si.cp + dir * (sg + 1)) * HV + j) * K + kd) * V + 16 * vc;
 #pragma unroll
         for (int c = 0; c < 16; c++) dst[c] = x[c];
         __syncthreads(); /* every thread done with S and the last slice */
