@@ -31,7 +31,7 @@
  *          dVn      = dv_local + diag(e^{g_C - g}) K dS                (stored bf16)
  *          dS       = e^{g_C} dS + dS_local - W^T dVn
  *      ending in dh0. Where the forward would split a sequence into
- *      segments (fq_cuda_fwd_nseg_max > 1: few heads; K <= 128), the pass
+ *      segments (fq_bwd_nseg_max > 1: few heads; K <= 128), the pass
  *      runs per segment from each segment's end dS, chained exactly by each
  *      segment's affine map dS_start = M dS_end + D (a MAP pass and the
  *      reverse combine first; gdn_cuda_bwd_state.cu).
@@ -94,6 +94,19 @@ typedef struct fq_bwd_ws {
 
 static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
+/* Segments per sequence at most for the reverse pass's context parallelism,
+ * from (HV, K, V) only: its MAP pass (bwd_state, (P - 1) HV (K + V)/64 blocks
+ * at 64 columns, one per SM) within one wave of FQ_CP_SMS SMs; fewer than
+ * three: none (two would gain nothing). */
+static int fq_bwd_nseg_max(const fq_gdn_params *p)
+{
+    const int64_t map = p->HV * ((p->K + p->V) / 64);
+    if (map <= 0) return 1;
+    int64_t n = 1 + FQ_CP_SMS / map;
+    if (n > 16) n = 16;
+    return n < 3 ? 1 : (int)n;
+}
+
 static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *ws)
 {
     fq_bwd_ws tmp;
@@ -114,7 +127,7 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
     ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
-    ws->seg.nseg_max = K <= 128 ? fq_cuda_fwd_nseg_max(p) : 1;
+    ws->seg.nseg_max = K <= 128 ? fq_bwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
     ws->seg.cp_bound = fq_cuda_fwd_cp_bound(p, nc, ws->seg.nseg_max);
     if (ws->seg.nseg_max > 1) {

@@ -440,12 +440,15 @@ size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws
 size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
 /* Context parallelism of the fused forward (exact, DESIGN §2): a sequence
  * of nc chunks is split into min(nseg_max, nc / FQ_CP_MIN_CHUNKS) segments
- * of equal chunk counts (the last may be shorter); nseg_max depends on the
- * head shape (HV, K, V) only, so a sequence's split never depends on the
- * other sequences of the batch or on data. */
+ * (none where that is below three) of equal chunk counts (the last may be
+ * shorter); nseg_max depends on the head shape (HV, K, V) only, so a
+ * sequence's split never depends on the other sequences of the batch or on
+ * data. FQ_CP_SMS: the SM count the split is planned for (a constant, not
+ * the device's: the same bits on every device). */
 #ifndef FQ_CP_MIN_CHUNKS /* (a -D of a dev build may try another: dev/cuda/run_ab.sh) */
 #define FQ_CP_MIN_CHUNKS 8
 #endif
+#define FQ_CP_SMS 132
 int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* Segment slots for nc_max chunk slots: N nseg_max, or fewer where the
  * chunks cannot fill them (N + nc / FQ_CP_MIN_CHUNKS); from sizes only. */

@@ -19,14 +19,20 @@
  *   FULL pass   every segment at once from its start state.
  * nseg depends only on the sequence's own chunk count and the head shape. */
 
-/* segments per sequence at most: about 160 CTAs of the MAP pass for one
- * sequence, from (HV, K, V) only */
+/* segments per sequence at most, from (HV, K, V) only (never from data or
+ * the batch): one sequence's FULL pass (P HV V/64 CTAs, one per SM) and its
+ * MAP pass ((P - 1) HV (K + V)/64 CTAs, two per SM) each within one wave of
+ * FQ_CP_SMS SMs. Two segments gain nothing (the chain walks MAP + FULL, the
+ * whole sequence), so fewer than three means none. */
 extern "C" int fq_cuda_fwd_nseg_max(const fq_gdn_params *p)
 {
-    int64_t per = p->HV * ((p->K + p->V) / 64);
-    if (per <= 0) return 1;
-    int64_t n = 160 / per;
-    return n < 1 ? 1 : (n > 16 ? 16 : (int)n);
+    const int64_t full = p->HV * (p->V / 64), map = p->HV * ((p->K + p->V) / 64);
+    if (full <= 0 || map <= 0) return 1;
+    int64_t n = FQ_CP_SMS / full;
+    const int64_t m = 1 + 2 * FQ_CP_SMS / map;
+    if (m < n) n = m;
+    if (n > 16) n = 16;
+    return n < 3 ? 1 : (int)n;
 }
 
 /* One block of 1024 threads: the segment table from the sequence table
@@ -61,7 +67,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
         if (n < N) {
             si = seqs[n];
             nseg = si.nchunks / FQ_CP_MIN_CHUNKS;
-            nseg = nseg < 1 ? 1 : (nseg > nseg_max ? nseg_max : nseg);
+            nseg = nseg < 3 ? 1 : (nseg > nseg_max ? nseg_max : nseg); /* (two would gain nothing) */
             L = (si.nchunks + nseg - 1) / nseg;
             if (L < 1) L = 1;
             nseg = si.nchunks > 0 ? (si.nchunks + L - 1) / L : 1; /* an empty sequence: one segment (ht = h0) */

@@ -74,22 +74,32 @@
 #define FQ_FUSED_STAGES 3
 #define FQ_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
 
+/* MODE: what a CTA computes over its segment of chunks */
+#define FQ_FUSED_FULL 0 /* o and the segment's end state (ht when the segment ends the sequence) */
+#define FQ_FUSED_MAP 1  /* only the segment's affine state map [M | D] (context parallelism) */
+#define FQ_FUSED_HST 2  /* the backward's recompute: no o; each chunk's start state h (bf16 [K][V])
+                           and Vn (bf16 [64][V]) to the three-stage workspace layout (gdn_cuda_bwd.cu) */
+
 /* Shared memory of one CTA. Per stage: Q (K/64 tiles), K (K/64 tiles), V,
  * A''. Then, exchanged between the chain and the output warpgroup, double
  * buffered by chunk parity: S^T at a chunk's start (bf16 [v][kd], K/64
  * tiles) and Vn^T (bf16 [v][r]); the O staging (fp32: 64 rows of 68); the
- * barriers and the stages' gate records (FQ_REC_*). */
-template <int K> struct fq_fused_smem {
+ * barriers and the stages' gate records (FQ_REC_*). MAP has no Q tiles, no
+ * exchange buffers and no staging (no output warpgroup): ~103 KB at K = 128,
+ * two CTAs per SM. */
+template <int K, int MODE> struct fq_fused_smem {
     static constexpr int KT = K / 64;
+    static constexpr int QT = MODE == FQ_FUSED_MAP ? 0 : KT; /* Q tiles per stage */
+    static constexpr int XB = MODE == FQ_FUSED_MAP ? 0 : 1;  /* 1: the exchange buffers and the staging */
     static constexpr int off_q = 0;
-    static constexpr int off_k = off_q + KT * FQ_TILE;
+    static constexpr int off_k = off_q + QT * FQ_TILE;
     static constexpr int off_v = off_k + KT * FQ_TILE;
     static constexpr int off_a = off_v + FQ_TILE;      /* A'' dense, no swizzle (gdn_cuda_common.cuh) */
     static constexpr int stage = off_a + FQ_TILE;
-    static constexpr int off_sb = FQ_FUSED_STAGES * stage;   /* 2 x S^T */
-    static constexpr int off_vn = off_sb + 2 * KT * FQ_TILE; /* 2 x Vn^T */
-    static constexpr int off_o = off_vn + 2 * FQ_TILE;       /* the O staging */
-    static constexpr int off_bar = off_o + 64 * 68 * 4;
+    static constexpr int off_sb = FQ_FUSED_STAGES * stage;        /* 2 x S^T */
+    static constexpr int off_vn = off_sb + XB * 2 * KT * FQ_TILE; /* 2 x Vn^T */
+    static constexpr int off_o = off_vn + XB * 2 * FQ_TILE;       /* the O staging */
+    static constexpr int off_bar = off_o + XB * 64 * 68 * 4;
     /* per stage: full, empty, checked; per buffer: sb_full, sb_empty, vn_full, vn_empty */
     static constexpr int nbar = 3 * FQ_FUSED_STAGES + 8;
     static constexpr int off_chk = off_bar + (nbar * 8 + 15) / 16 * 16;            /* per stage: an int */
@@ -98,13 +108,12 @@ template <int K> struct fq_fused_smem {
     static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
     static constexpr uint32_t load_bytes = (2 * KT + 1) * FQ_TILE + FQ_APACK_BYTES + rec_bytes;
     static_assert(stage % 1024 == 0 && off_o % 1024 == 0, "tiles keep their 1024-byte alignment");
+    static_assert(MODE != FQ_FUSED_MAP || 2 * (bytes + 1024) <= 228 * 1024, "MAP: two CTAs per SM");
 };
 
-/* MODE: what a CTA computes over its segment of chunks */
-#define FQ_FUSED_FULL 0 /* o and the segment's end state (ht when the segment ends the sequence) */
-#define FQ_FUSED_MAP 1  /* only the segment's affine state map [M | D] (context parallelism) */
-#define FQ_FUSED_HST 2  /* the backward's recompute: no o; each chunk's start state h (bf16 [K][V])
-                           and Vn (bf16 [64][V]) to the three-stage workspace layout (gdn_cuda_bwd.cu) */
+/* Threads per CTA: producer, output and chain warpgroups (MAP: producer and
+ * chain; its CTAs two per SM, fq_fwd_fused_kernel) */
+#define FQ_FUSED_THREADS(MODE) ((MODE) == FQ_FUSED_MAP ? 256 : 384)
 
 struct fq_fused_args {
     const fq_seg_info *segs;
@@ -216,13 +225,13 @@ static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes
 #endif
 
 template <int K, int MODE>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ? 2 : 1)
     fq_fwd_fused_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                         const fq_fused_args args, const int *ready)
 {
 #if FQ_SM90A
-    typedef fq_fused_smem<K> SM;
+    typedef fq_fused_smem<K, MODE> SM;
     constexpr int KT = SM::KT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     /* 1024-byte alignment for the SWIZZLE_128B tiles, by offset (the pointer
@@ -248,6 +257,7 @@ __global__ void __launch_bounds__(384, 1)
     const int cb = blockIdx.x % ncb, j = (blockIdx.x / ncb) % HV, gs = blockIdx.x / (ncb * HV);
     const int hq = j / (HV / args.H);
     const int tid = threadIdx.x, wg = tid >> 7;
+    const int role = MAP && wg == 1 ? 2 : wg; /* 0 producer, 1 output, 2 chain (MAP: no output warpgroup) */
     /* MAP: column blocks cb < K/64 are the columns of M (v = 0, start = the
      * identity), the others those of D (start = 0); vb: this CTA's block of
      * V's columns (none for an M block) */
@@ -265,7 +275,7 @@ __global__ void __launch_bounds__(384, 1)
             /* full: the producer's one arrival plus the TMA bytes; the others:
              * every thread of the warpgroup arrives after its own accesses */
             fq_mbar_init(&full[s], 1);
-            fq_mbar_init(&empty[s], 256);
+            fq_mbar_init(&empty[s], MAP ? 128 : 256); /* (the chain and the output warpgroup) */
             fq_mbar_init(&checked[s], 96);
             chk[s] = 64;
         }
@@ -304,7 +314,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     const int nch = si.nchunks;
 
-    if (wg == 0) {
+    if (role == 0) {
         /* ---------------------------------------------------- producer ---- */
         fq_setmaxnreg_dec40();
         if (tid == 0) {
@@ -383,9 +393,9 @@ __global__ void __launch_bounds__(384, 1)
                 }
                 const int zr = min(len, min(fv, fr));
                 if (zr < 64) {
-                    /* zero rows zr.. of Q, K, V (HST: K, V; its output warpgroup stages h in
-                     * the Q tiles, which the producer never fills then) */
-                    constexpr int t0 = HST ? KT : 0;
+                    /* zero rows zr.. of Q, K, V (MAP: K, V: no Q tiles; HST: K, V: its output
+                     * warpgroup stages h in the Q tiles, which the producer never fills then) */
+                    constexpr int t0 = HST || MAP ? KT : 0;
                     const int nt = 2 * KT + 1 - t0, nrow = 64 - zr;
                     for (int idx = tk; idx < nt * nrow * 8; idx += 96) {
                         const int tile = t0 + idx / (nrow * 8), r = zr + (idx / 8) % nrow, c = idx % 8;
@@ -400,7 +410,7 @@ __global__ void __launch_bounds__(384, 1)
                 fq_mbar_arrive(&checked[s]);
             }
         }
-    } else if (wg == 1) {
+    } else if (role == 1) {
         /* ------------------------------------------------------ output ---- */
         fq_setmaxnreg_inc232();
         const int tp = tid - 128, w = tp >> 5, lane = tp & 31, g = lane >> 2, t = lane & 3;
@@ -413,10 +423,6 @@ __global__ void __launch_bounds__(384, 1)
             const int len = min(64, si.len - 64 * i);
             /* the stage's tiles are final once its V rows are checked (and rows zeroed) */
             fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
-            if constexpr (MAP) {
-                fq_mbar_arrive(&empty[s]); /* no outputs: nothing to read here */
-                continue;
-            }
             if constexpr (HST) {
                 /* the backward's h and Vn, in the three-stage state pass's layouts:
                  *   h[c][j][kd][64 vb + v] = S^T[v][kd] at the chunk's start (bf16 as handed over)
@@ -586,8 +592,10 @@ __global__ void __launch_bounds__(384, 1)
         if (tp == 0) FQ_TL(7);
     } else {
         /* ------------------------------------------------------- chain ---- */
-        fq_setmaxnreg_inc232();
-        const int tc = tid - 256, w = tc >> 5, lane = tc & 31, g = lane >> 2, t = lane & 3;
+        /* (MAP: 2 CTAs of 256 threads per SM, 128 registers each at launch: 40 + 216) */
+        if constexpr (MAP) fq_setmaxnreg_inc216();
+        else fq_setmaxnreg_inc232();
+        const int tc = tid - (MAP ? 128 : 256), w = tc >> 5, lane = tc & 31, g = lane >> 2, t = lane & 3;
         const int V = args.V;
         /* S^T: row v = 16 w + g + 8 h (this CTA's column 64 vb + v), column kd = 8 nb + 2 t + e:
          * S[4 nb + 2 h + e] */
@@ -674,7 +682,7 @@ __global__ void __launch_bounds__(384, 1)
                 fq_wgmma_rs_n64<0, 0>(xacc, sb[kk], fq_desc_at(dk, (kk >> 2) * FQ_TILE + 32 * (kk & 3)), kk > 0);
             fq_wgmma_commit();
             /* S^T of this chunk's start to the output warpgroup, while group 1 runs */
-            if (!MAP) hand_state(i);
+            if constexpr (!MAP) hand_state(i);
             float fac[16];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
@@ -749,7 +757,7 @@ __global__ void __launch_bounds__(384, 1)
                     fq_wgmma_rs_n64<1, 0>(S, vnd[kk], fq_desc_at(dkm, 2048 * kk), 1);
             }
             fq_wgmma_commit();
-            if (!MAP) {
+            if constexpr (!MAP) {
                 /* Vn^T (bf16 [v][r]) for the output warpgroup's P Vn, while the update runs */
                 if (i >= 2) fq_mbar_wait(&vn_empty[b], ((i >> 1) - 1) & 1);
                 unsigned char *tb = smem + SM::off_vn + b * FQ_TILE;
@@ -899,10 +907,16 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     }
     const int64_t blocks = ws->seg_bound * p->HV * args.ncb;
     if (blocks <= 0) return FQ_OK;
-    const int bytes = fq_fused_smem<K>::bytes;
+    const int bytes = fq_fused_smem<K, MODE>::bytes;
     fq_status st = fq_cuda_set_smem((const void *)fq_fwd_fused_kernel<K, MODE>, bytes);
     if (st != FQ_OK) return st;
-    return fq_launch_k(fq_fwd_fused_kernel<K, MODE>, (unsigned)blocks, 384, bytes, stream, fq_cuda_pdl_enabled(), m.q,
+    /* (MAP: two CTAs per SM need the largest shared-memory carveout) */
+    if (MODE == FQ_FUSED_MAP &&
+        (st = fq_cuda_func_attr((const void *)fq_fwd_fused_kernel<K, MODE>,
+                                cudaFuncAttributePreferredSharedMemoryCarveout, 100)) != FQ_OK)
+        return st;
+    return fq_launch_k(fq_fwd_fused_kernel<K, MODE>, (unsigned)blocks, FQ_FUSED_THREADS(MODE), bytes, stream,
+                       fq_cuda_pdl_enabled(), m.q,
                        m.k, m.v, m.o, args, ready);
 }
 

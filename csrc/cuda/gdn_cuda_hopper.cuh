@@ -100,6 +100,12 @@ static __device__ __forceinline__ void fq_setmaxnreg_inc232(void)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 #endif
 }
+static __device__ __forceinline__ void fq_setmaxnreg_inc216(void)
+{
+#if FQ_SM90A
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
+#endif
+}
 static __device__ __forceinline__ void fq_setmaxnreg_dec40(void)
 {
 #if FQ_SM90A
