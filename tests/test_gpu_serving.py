@@ -135,7 +135,7 @@ def test_cuda_fused_gates_autograd_and_fla_names():
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_cuda_pool_prefill_equals_gather_chunk_scatter_bitwise(layout, idx_dtype):
-    seqlens = [70, 0, 1, 1500, 64]   # 1500: 24 chunks, split in 3 segments (the pool read and written by different CTAs)
+    seqlens = [70, 0, 1, 2500, 64]   # 2500: 40 chunks, split in 3 segments (the pool read and written by different CTAs)
     inp = make_inputs(1, sum(seqlens), H, HV, K, V, seed=5, seqlens=seqlens, h0=False)
     args = _qkv(inp) + [_t(inp["g"]), _t(inp["beta"])]
     cu = _t(inp["cu_seqlens"], torch.int32)
@@ -158,7 +158,7 @@ def test_cuda_pool_prefill_equals_gather_chunk_scatter_bitwise(layout, idx_dtype
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 def test_cuda_checkpoints(layout):
-    seqlens = [130, 0, 64, 1700, 63, 128]   # 1700: 27 chunks in 3 segments (checkpoints from each)
+    seqlens = [130, 0, 64, 2700, 63, 128]   # 2700: 43 chunks in 3 segments (checkpoints from each)
     inp = make_inputs(1, sum(seqlens), H, HV, K, V, seed=6, seqlens=seqlens)
     args = _qkv(inp) + [_t(inp["g"]), _t(inp["beta"])]
     h0 = _t(inp["h0"])

@@ -337,6 +337,80 @@ typedef struct fq_seg_info {
 #define FQ_SLOT_NONE (-1)
 #define FQ_SLOT_DUP (-2)
 
+/* The fused forward's segment maps and start states in o (ws->omap): o's rows
+ * of a split sequence hold them from the MAP pass until the FULL pass writes
+ * o over them, so that they take no workspace. Per (sequence, value head j),
+ * the sequence's tokens t, each a row of RB = V elem bytes at
+ * o + (t HV + j) RB, F = RB / 4 floats:
+ *   the start state of segment s (K x V fp32) in the first rss = 4 K / elem
+ *     rows of the segment, by column block: element (kd, 64 vb + c) at float
+ *     e % F' of row e / F' of o's columns 64 vb .., e = 64 kd + c, F' = 16 elem,
+ *     so that the FULL CTA (s, j, vb) finds its start state where only it
+ *     writes o, and reads it before it writes;
+ *   the maps [M | D] of segments 0 .. P - 2 (K x (K + V) fp32 each) by blocks
+ *     of 64 columns (K x 64, element (kd, c) at float 64 kd + c: rblk = 64 K / F
+ *     rows), block B = ncb sg + cb (ncb = (K + V) / 64) in order over the
+ *     segments' other rows: cap = (64 L - rss) / rblk blocks after the start
+ *     state of each segment of L chunks, the rest after the last segment's.
+ * fq_fwd_segments_kernel splits a sequence only as far as both fit (cp_fit). */
+typedef struct fq_omap {
+    char *o;  /* o's base (16-byte aligned)                                 */
+    int HV;
+    int rb;   /* bytes of one head's row: V elem                             */
+    int lf;   /* log2 F, the floats of a row                                 */
+    int lfs;  /* log2 F', the floats of 64 columns of a row (16 elem)        */
+    int sb;   /* bytes of 64 columns of a row (64 elem)                      */
+    int rss;  /* rows of one start state (4 K / elem)                        */
+    int rblk; /* rows of one map block (64 K / F)                            */
+    int ncb;  /* map blocks per map, (K + V) / 64                            */
+} fq_omap;
+
+/* The layout for an o of dtype odt (fp32: 4-byte elements, else 2). */
+static __host__ __device__ __forceinline__ fq_omap fq_omap_make(void *o, int HV, int K, int V, fq_dtype odt)
+{
+    fq_omap m;
+    const int elem = odt == FQ_F32 ? 4 : 2;
+    m.o = (char *)o;
+    m.HV = HV;
+    m.rb = V * elem;
+    m.lf = m.rb / 4 == 128 ? 7 : m.rb / 4 == 64 ? 6 : 5; /* (V in {64, 128}) */
+    m.lfs = elem == 4 ? 6 : 5;
+    m.sb = 64 * elem;
+    m.rss = 4 * K / elem;
+    m.rblk = (64 * K) >> m.lf;
+    m.ncb = (K + V) / 64;
+    return m;
+}
+static inline fq_omap fq_omap_of(const fq_gdn_params *p)
+{
+    return fq_omap_make(p->o, (int)p->HV, (int)p->K, (int)p->V, p->dtype);
+}
+
+/* element (kd, 64 vb + c) of the start state of the segment whose first token is bos */
+static __device__ __forceinline__ float *fq_omap_ss(const fq_omap &m, int64_t bos, int j, int vb, int kd, int c)
+{
+    const int e = 64 * kd + c;
+    return (float *)(m.o + ((bos + (e >> m.lfs)) * m.HV + j) * (int64_t)m.rb + (int64_t)vb * m.sb) +
+           (e & ((1 << m.lfs) - 1));
+}
+
+/* the first row of map block B of a sequence whose first token is bos0, split
+ * in P segments of L chunks (the last fewer) */
+static __device__ __forceinline__ int64_t fq_omap_blk(const fq_omap &m, int64_t bos0, int L, int P, int B)
+{
+    const int cap = (64 * L - m.rss) / m.rblk;
+    int s = B / cap;
+    if (s > P - 1) s = P - 1;
+    return bos0 + (int64_t)s * 64 * L + m.rss + (int64_t)(B - s * cap) * m.rblk;
+}
+
+/* element (kd, c) (c < 64) of the map block whose first row is R */
+static __device__ __forceinline__ float *fq_omap_at(const fq_omap &m, int64_t R, int j, int kd, int c)
+{
+    const int e = 64 * kd + c;
+    return (float *)(m.o + ((R + (e >> m.lf)) * m.HV + j) * (int64_t)m.rb) + (e & ((1 << m.lf) - 1));
+}
+
 /* A'' = A diag(beta) of one (chunk, value head) as the fused forward stores
  * and reads it (stage A -> the main kernel's Vn^T = Y^T A''^T, where A''^T is
  * wgmma's K-major B operand: K = the column c of A'', N = its row r). In
@@ -410,9 +484,14 @@ typedef struct fq_fwd_ws {
                                 the segments of split sequences at most (each has
                                 >= FQ_CP_MIN_CHUNKS chunks); from sizes only    */
     float *md;               /* [cp_bound, HV, K, K + V] segment maps [M | D], by
-                                fq_seg_info.cp (NULL when nseg_max == 1)     */
+                                fq_seg_info.cp (NULL when nseg_max == 1 or omap) */
     float *ss;               /* [cp_bound, HV, K, V] segment start states, by
-                                fq_seg_info.cp (NULL when nseg_max == 1)     */
+                                fq_seg_info.cp (NULL when nseg_max == 1 or omap) */
+    int omap;                /* 1: the maps and start states live in o's rows
+                                instead (the forward: fq_omap below)         */
+    int cp_fit;              /* 1: a sequence splits only as far as its maps fit
+                                in its rows of o (fq_fwd_segments_kernel; the
+                                forward and the backward's recompute)        */
     int *ready;              /* fused forward: [nc_max, HV] stage A's flags, set
                                 per (chunk, value head) when its A'' and record
                                 are written (read only when stage A runs beside

@@ -106,6 +106,7 @@ static size_t fq_fwd_ws_common(const fq_gdn_params *p, char *base, fq_fwd_ws *ws
     if (nc < 0) nc = 0;
     if (N < 0) N = 0;
     ws->nc_max = nc;
+    ws->omap = ws->cp_fit = 0;
     size_t off = 0;
     ws->chunks = (fq_chunk_info *)fq_carve(base, &off, (size_t)(nc > 0 ? nc : 1) * sizeof(fq_chunk_info));
     ws->seqs = (fq_seq_info *)fq_carve(base, &off, (size_t)(N > 0 ? N : 1) * sizeof(fq_seq_info));
@@ -160,8 +161,10 @@ extern "C" int64_t fq_cuda_fwd_cp_bound(const fq_gdn_params *p, int64_t nc, int 
     return split < sb ? split : sb;
 }
 
-/* The fused forward's own part, from off on (ws->nc_max set). */
-static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off, fq_fwd_ws *ws)
+/* The fused forward's own part, from off on (ws->nc_max set). omap: the
+ * segment maps and start states in o's rows (the forward: none reserved
+ * here), else here (the backward's recompute: no o). */
+static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off, fq_fwd_ws *ws, int omap)
 {
     const int64_t nc = ws->nc_max, HV = p->HV;
     ws->a = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV) * FQ_APACK_BYTES); /* packed (gdn_cuda_common.cuh) */
@@ -173,7 +176,10 @@ static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off
     ws->seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->nseg_max);
     ws->segs = (fq_seg_info *)fq_carve(base, &off, (size_t)(ws->seg_bound > 0 ? ws->seg_bound : 1) * sizeof(fq_seg_info));
     ws->cp_bound = fq_cuda_fwd_cp_bound(p, nc, ws->nseg_max);
-    if (ws->nseg_max > 1) {
+    ws->omap = omap;
+    ws->cp_fit = 1;
+    ws->md = ws->ss = NULL;
+    if (ws->nseg_max > 1 && !omap) {
         ws->md = (float *)fq_carve(base, &off, (size_t)(ws->cp_bound * HV * K * (K + V)) * 4);
         ws->ss = (float *)fq_carve(base, &off, (size_t)(ws->cp_bound * HV * K * V) * 4);
     }
@@ -186,7 +192,7 @@ extern "C" size_t fq_cuda_fwd_fused_ws_layout(const fq_gdn_params *p, void *base
     fq_fwd_ws tmp;
     if (!ws) ws = &tmp;
     const size_t off = fq_fwd_ws_common(p, (char *)base_, ws);
-    return fq_fwd_fused_extras(p, (char *)base_, off, ws);
+    return fq_fwd_fused_extras(p, (char *)base_, off, ws, 1);
 }
 
 extern "C" size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
@@ -195,7 +201,7 @@ extern "C" size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *
     if (!ws) ws = &tmp;
     fq_fwd_ws_common(p, NULL, &c); /* (nc_max from the sizes, as every layout sets it) */
     ws->nc_max = c.nc_max;
-    return fq_fwd_fused_extras(p, (char *)base_, 0, ws);
+    return fq_fwd_fused_extras(p, (char *)base_, 0, ws, 0);
 }
 
 extern "C" fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p)
@@ -455,6 +461,10 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     cudaStream_t stream = (cudaStream_t)p->stream;
     fq_fwd_ws ws;
     fq_cuda_fwd_fused_ws_layout(p, p->workspace, &ws);
+    /* (context parallelism keeps its maps in o's rows as fp32, read by 16 bytes: fq_omap) */
+    if (ws.nseg_max > 1 && ((uintptr_t)p->o & 15))
+        return fq_fail(FQ_ERR_VALUE, "o: the CUDA forward with few value heads (context parallelism) needs a "
+                                     "16-byte aligned output buffer");
     fq_status st;
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st; /* [serving] */

@@ -43,7 +43,7 @@ extern "C" int fq_cuda_fwd_nseg_max(const fq_gdn_params *p)
 __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info *seqs, int N, int nseg_max,
                                                                int seg_bound, int64_t cp_bound, fq_seg_info *segs,
                                                                const void *idx, int idx64, int64_t P, int *ready,
-                                                               int64_t nready)
+                                                               int64_t nready, int fit, fq_omap om)
 {
     __shared__ int s_warp[32];
     __shared__ int s_carry, s_cpcarry;
@@ -67,7 +67,18 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
         if (n < N) {
             si = seqs[n];
             nseg = si.nchunks / FQ_CP_MIN_CHUNKS;
-            nseg = nseg < 3 ? 1 : (nseg > nseg_max ? nseg_max : nseg); /* (two would gain nothing) */
+            if (nseg > nseg_max) nseg = nseg_max;
+            /* cp_fit: no further than the maps and start states fit in the
+             * sequence's rows of o (fq_omap): P start states of rss rows, each
+             * in its own segment (the last one's too), and P - 1 maps in the
+             * rest; P and L as they come out below */
+            for (; fit && nseg >= 3; nseg--) {
+                const int Lt = (si.nchunks + nseg - 1) / nseg, Pt = (si.nchunks + Lt - 1) / Lt;
+                const int last = si.len - (Pt - 1) * 64 * Lt; /* the last segment's tokens */
+                const int cap = (64 * Lt - om.rss) / om.rblk, cap_last = (last - om.rss) / om.rblk;
+                if (last >= om.rss && cap >= 1 && (Pt - 1) * cap + cap_last >= (Pt - 1) * om.ncb) break;
+            }
+            if (nseg < 3) nseg = 1; /* (two would gain nothing) */
             L = (si.nchunks + nseg - 1) / nseg;
             if (L < 1) L = 1;
             nseg = si.nchunks > 0 ? (si.nchunks + L - 1) / L : 1; /* an empty sequence: one segment (ht = h0) */
@@ -178,7 +189,8 @@ extern "C" fq_status fq_cuda_fwd_segments(const fq_gdn_params *p, const fq_fwd_w
     return fq_launch_k(fq_fwd_segments_kernel, 1, 1024, 0, stream, fq_cuda_pdl_enabled(), (const fq_seq_info *)ws->seqs,
                        (int)p->N, ws->nseg_max, (int)ws->seg_bound, ws->cp_bound, ws->segs,
                        p->state ? p->state_indices : (const void *)NULL, p->state_indices_is_int64, (int64_t)p->P,
-                       beside ? ws->ready : (int *)NULL, (int64_t)(beside ? ws->nc_max * p->HV : 0));
+                       beside ? ws->ready : (int *)NULL, (int64_t)(beside ? ws->nc_max * p->HV : 0), ws->cp_fit,
+                       fq_omap_of(p));
 }
 
 /* Stage A beside the state pass (gdn_cuda_common.cuh). Only where the FULL

@@ -49,9 +49,13 @@
  * registers (the rows indexed by fq_cuda_fwd_checkpoint_index).
  *
  * Modes (MODE): FULL (the above), MAP (a segment's affine state map for
- * context parallelism: start [I | 0], no Q, no o) and HST (the backward's
- * recompute: the chain as in FULL, no Q, no o; the output warpgroup instead
- * stores each chunk's start state h and Vn, see its branch).
+ * context parallelism: start [I | 0], no Q, no o; only the producer and the
+ * chain warpgroups, 256 threads, ~103 KB of shared memory: two CTAs per SM)
+ * and HST (the backward's recompute: the chain as in FULL, no Q, no o; the
+ * output warpgroup instead stores each chunk's start state h and Vn, see its
+ * branch). In the forward the maps and the segments' start states live in
+ * o's rows until the FULL pass writes o (fq_omap, gdn_cuda_common.cuh); in
+ * the recompute, in its workspace.
  *
  * Only sm_90a code has the kernel; elsewhere it compiles to an empty body and
  * fq_cuda_fwd_fused_available() says no (gdn_cuda_fwd.cu then runs the
@@ -611,6 +615,9 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         int64_t s0base = 0;
         int s0vk = 0;
         float s0fill = 0.f;
+        /* a split sequence's start state in its segment's rows of o where the
+         * forward keeps it there (fq_omap; ss NULL then: ws->omap) */
+        const int om0 = !MAP && !HST && si.count > 1 && !args.ss;
         if (!MAP) {
             if (si.count > 1) {
                 s0 = args.ss;
@@ -623,14 +630,27 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 s0fill = __int_as_float(0x7fc00000);
             }
         }
+        if (om0) {
+            /* element (kd, v) at r<h> + (kd - 2 t) ks for the lane's rows v = 16 w + g + 8 h */
+            const fq_omap om = fq_omap_make(args.o, HV, K, V, args.odt);
+            const int ks = (64 >> om.lfs) * HV * om.rb;
+            const char *r0 = (const char *)fq_omap_ss(om, si.bos, j, vb, 2 * t, 16 * w + g);
+            const char *r1 = (const char *)fq_omap_ss(om, si.bos, j, vb, 2 * t, 16 * w + g + 8);
 #pragma unroll
-        for (int nb = 0; nb < K / 8; nb++)
+            for (int nb = 0; nb < K / 8; nb++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
-                if (MAP) S[4 * nb + e] = (mblk && kd == 64 * cb + v) ? 1.f : 0.f;
-                else S[4 * nb + e] = s0 ? s0[s0base + fq_state_at(kd, 64 * vb + v, K, V, s0vk)] : s0fill;
-            }
+                for (int e = 0; e < 4; e++)
+                    S[4 * nb + e] = *(const float *)((e >> 1 ? r1 : r0) + (8 * nb + (e & 1)) * ks);
+        } else {
+#pragma unroll
+            for (int nb = 0; nb < K / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
+                    if (MAP) S[4 * nb + e] = (mblk && kd == 64 * cb + v) ? 1.f : 0.f;
+                    else S[4 * nb + e] = s0 ? s0[s0base + fq_state_at(kd, 64 * vb + v, K, V, s0vk)] : s0fill;
+                }
+        }
         uint32_t sb[K / 16][4];
 #pragma unroll
         for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
@@ -800,7 +820,22 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             dvk = args.vk;
         }
         if (tc == 0) FQ_TL(5);
-        if (dst) fq_chain_store_state<K>(S, dst + dbase, c0, dcols, dvk, w, g, t);
+        if (MAP && !args.md) {
+            /* element (kd, v) of block cb of the segment's map, in the sequence's rows of o
+             * where the forward keeps it there (fq_omap; md NULL then: ws->omap) */
+            const fq_omap om = fq_omap_make(args.o, HV, K, V, args.odt);
+            const int64_t R = fq_omap_blk(om, si.bos - (int64_t)64 * si.cfirst, si.nchunks, si.count,
+                                          om.ncb * si.index + cb);
+#pragma unroll
+            for (int nb = 0; nb < K / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int v = 16 * w + g + 8 * (e >> 1), kd = 8 * nb + 2 * t + (e & 1);
+                    *fq_omap_at(om, R, j, kd, v) = S[4 * nb + e];
+                }
+        } else if (dst) {
+            fq_chain_store_state<K>(S, dst + dbase, c0, dcols, dvk, w, g, t);
+        }
         if (tc == 0) FQ_TL(6);
     }
 #endif

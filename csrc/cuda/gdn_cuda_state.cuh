@@ -110,10 +110,11 @@ static __device__ __forceinline__ void fq_pair_add(float P[8][4], const float2 *
  * into shared memory (row stride 33: the row-per-thread reads below hit 32
  * banks), the next slice's pieces in registers while the current one is
  * multiplied: one L2 round trip per slice in flight at a time instead of
- * one per 4 columns per thread. */
+ * one per 4 columns per thread. omap (the forward only): md and ss are in
+ * o's rows (fq_omap) instead of slots si.cp, si.cp + 1, ... */
 template <int K, int REV>
 __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *segs, const float *md, const float *h0,
-                                                          float *ss, int HV, int V, int vk)
+                                                          float *ss, int HV, int V, int vk, int omap, fq_omap om)
 {
     constexpr int SL = 32, LDM = SL + 1, NP = K * SL / 4 / K; /* float4 pieces per thread per slice: 8 */
     __shared__ __align__(16) float S[K][16];
@@ -131,28 +132,44 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
     float x[16];
 #pragma unroll
     for (int c = 0; c < 16; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, 16 * vc + c, K, V, vk)] : fill;
-    /* (md and ss by the segments' compact slots: si.cp, si.cp + dir, ...) */
-    float *ss0 = ss + (((int64_t)si.cp * HV + j) * K + kd) * V + 16 * vc;
+    /* md and ss of the sg-th segment walked: by the segments' compact slots si.cp,
+     * si.cp + dir, ...; omap: in o's rows (segment sg, from si.bos, si.nchunks each) */
+    /* element (row, col) of the map walked sg-th; R: the first row of its map block
+     * (col / 64) in o (omap, fq_omap_blk), once per slice / row piece */
+    auto mdp = [&](int sg, int64_t R, int row, int col) -> const float * {
+        if (!REV && omap) return fq_omap_at(om, R, j, row, col & 63);
+        return md + ((int64_t)(si.cp + dir * sg) * HV + j) * K * (K + V) + (int64_t)row * (K + V) + col;
+    };
+    auto blk = [&](int sg, int col) -> int64_t {
+        return !REV && omap ? fq_omap_blk(om, si.bos, si.nchunks, si.count, om.ncb * sg + (col >> 6)) : 0;
+    };
+    auto ssp = [&](int sg) -> float * { /* row kd, columns 16 vc .. 16 vc + 15 */
+        if (!REV && omap) return fq_omap_ss(om, si.bos + (int64_t)64 * si.nchunks * sg, j, (16 * vc) >> 6, kd, (16 * vc) & 63);
+        return ss + (((int64_t)(si.cp + dir * sg) * HV + j) * K + kd) * V + 16 * vc;
+    };
+    float *ss0 = ssp(0);
 #pragma unroll
     for (int c = 0; c < 16; c++) ss0[c] = x[c];
     /* piece p of a slice: row (p K + kd) / 8, columns 4 ((p K + kd) % 8) .. + 3 of the slice */
-    auto load_slice = [&](float4 (&r)[NP], const float *mrow0, int s) {
+    auto load_slice = [&](float4 (&r)[NP], int sg, int s) {
+        const int64_t R = blk(sg, SL * s); /* (a slice of 32 columns is inside one block of 64) */
 #pragma unroll
         for (int p = 0; p < NP; p++) {
             const int f = p * K + kd, row = f >> 3, c4 = f & 7;
-            r[p] = *(const float4 *)(mrow0 + (int64_t)row * (K + V) + SL * s + 4 * c4);
+            r[p] = *(const float4 *)mdp(sg, R, row, SL * s + 4 * c4);
         }
     };
     for (int sg = 0; sg + 1 < si.count; sg++) {
-        const float *m0 = md + ((int64_t)(si.cp + dir * sg) * HV + j) * K * (K + V); /* [M | D] of slot cp + dir sg */
+        /* [M | D] of the sg-th segment walked */
         float4 nx[NP];
-        load_slice(nx, m0, 0);
+        load_slice(nx, sg, 0);
 #pragma unroll
         for (int c = 0; c < 16; c++) S[kd][c] = x[c];
         /* row kd of D */
+        const int64_t RD = blk(sg, K + 16 * vc);
 #pragma unroll
         for (int c = 0; c < 16; c += 4) {
-            const float4 d = *(const float4 *)(m0 + (int64_t)kd * (K + V) + K + 16 * vc + c);
+            const float4 d = *(const float4 *)mdp(sg, RD, kd, K + 16 * vc + c);
             x[c] = d.x, x[c + 1] = d.y, x[c + 2] = d.z, x[c + 3] = d.w;
         }
 #pragma unroll 1
@@ -165,7 +182,7 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
                 dst[0] = nx[p].x, dst[1] = nx[p].y, dst[2] = nx[p].z, dst[3] = nx[p].w;
             }
             __syncthreads();
-            if (s + 1 < K / SL) load_slice(nx, m0, s + 1);
+            if (s + 1 < K / SL) load_slice(nx, sg, s + 1);
             /* x += M[kd][32 s + m] S[32 s + m][:] */
 #pragma unroll 4
             for (int m = 0; m < SL; m++) {
@@ -178,7 +195,7 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
                 }
             }
         }
-        float *dst = ss + (((int64_t)(si.cp + dir * (sg + 1)) * HV + j) * K + kd) * V + 16 * vc;
+        float *dst = ssp(sg + 1);
 #pragma unroll
         for (int c = 0; c < 16; c++) dst[c] = x[c];
         __syncthreads(); /* every thread done with S and the last slice */
@@ -197,10 +214,12 @@ static fq_status fq_cp_combine_launch(const fq_gdn_params *p, const fq_fwd_ws *w
     const int pdl = fq_cuda_pdl_enabled();
     if (p->K == 128)
         return fq_launch_k(fq_cp_combine_kernel<128, REV>, grid, 128, 0, stream, pdl, (const fq_seg_info *)ws->segs,
-                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk);
+                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk,
+                           REV ? 0 : ws->omap, fq_omap_of(p));
     if (p->K == 64)
         return fq_launch_k(fq_cp_combine_kernel<64, REV>, grid, 64, 0, stream, pdl, (const fq_seg_info *)ws->segs,
-                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk);
+                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk,
+                           REV ? 0 : ws->omap, fq_omap_of(p));
     return fq_cuda_head_dims_unsupported(p);
 }
 #endif

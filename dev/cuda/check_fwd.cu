@@ -843,14 +843,18 @@ static void chunk_suite(int quick, int tiny, int race)
     }
     {
         /* context parallelism of the fused forward (H=1, HV=2: up to 16
-         * segments of >= 8 chunks, none below three): one sequence in 4
-         * segments; varlen with 3, 4 and 1 segments; bits independent of the
-         * batch */
+         * segments of >= 8 chunks, none below three, and only as many as
+         * their maps fit in the sequence's rows of o: fq_omap): one sequence
+         * in 3 segments; varlen with 4, 3 and 1 segments; fp32 o (4
+         * segments), K = 64 / V = 128 (4), K = V = 64 (4); bits independent of
+         * the batch */
         Problem x = b; x.B = 1; x.H = 1; x.HV = 2;
-        x.T = 2048; check_chunk("cp T=2048 HV=2 (4 segments)", x, 16.0);
+        x.T = 2048; check_chunk("cp T=2048 HV=2 (3 segments)", x, 16.0);
         x.T = 2048; check_chunk("cp T=2048 HV=2 a_max 0 (no decay)", x, 0.0);
-        x.cu = {0, 1600, 3700, 3800}; x.T = 3800; check_chunk("cp varlen 1600,2100,100", x, 16.0);
-        x.cu.clear(); x.K = 64; x.V = 64; x.T = 2048; check_chunk("cp T=2048 HV=2 K=V=64", x, 16.0);
+        x.cu = {0, 2800, 4900, 5000}; x.T = 5000; check_chunk("cp varlen 2800,2100,100", x, 16.0);
+        x.cu.clear(); x.T = 2048; x.dt = FQ_F32; check_chunk("cp T=2048 HV=2 fp32", x, 16.0);
+        x.dt = FQ_BF16; x.K = 64; check_chunk("cp T=2048 HV=2 K=64 V=128", x, 16.0);
+        x.V = 64; check_chunk("cp T=2048 HV=2 K=V=64", x, 16.0);
         check_batch_invariance(2, 2100, 1000);
     }
     {
