@@ -274,9 +274,10 @@ size_t fq_cuda_recurrent_workspace_bytes(const fq_gdn_params *p);
  * cu_seqlens contents (not non-decreasing, not from 0 to T) cannot be seen
  * from the host without a synchronisation: the kernels then fill the outputs
  * with NaN instead of reading out of bounds. bfloat16 q, k, v must be
- * 16-byte aligned; so must o where the fused forward may split a sequence
- * for context parallelism (few value heads): o's rows serve as its scratch
- * until they are written (the Python layer allocates o itself). */
+ * 16-byte aligned, and so must the forward's o on Hopper (the fused forward
+ * stores it by 16 bytes, and where it splits a sequence for context
+ * parallelism o's rows serve as its scratch until they are written; the
+ * Python layer allocates o itself). */
 fq_status fq_cuda_chunk_fwd(const fq_gdn_params *p);
 fq_status fq_cuda_chunk_bwd(const fq_gdn_params *p);
 fq_status fq_cuda_recurrent(const fq_gdn_params *p);

@@ -461,10 +461,10 @@ static fq_status fq_chunk_fwd_fused(const fq_gdn_params *p)
     cudaStream_t stream = (cudaStream_t)p->stream;
     fq_fwd_ws ws;
     fq_cuda_fwd_fused_ws_layout(p, p->workspace, &ws);
-    /* (context parallelism keeps its maps in o's rows as fp32, read by 16 bytes: fq_omap) */
-    if (ws.nseg_max > 1 && ((uintptr_t)p->o & 15))
-        return fq_fail(FQ_ERR_VALUE, "o: the CUDA forward with few value heads (context parallelism) needs a "
-                                     "16-byte aligned output buffer");
+    /* o leaves by 16-byte stores (TMA, uint4 / float4 per thread) and holds context
+     * parallelism's maps as fp32 read by 16 bytes (fq_omap): a clear error, not a fault */
+    if ((uintptr_t)p->o & 15)
+        return fq_fail(FQ_ERR_VALUE, "o: the CUDA forward needs a 16-byte aligned output buffer");
     fq_status st;
     if ((st = fq_cuda_fwd_prepare(p, &ws, stream)) != FQ_OK) return st;
     if ((st = fq_cuda_fwd_checkpoint_index(p, &ws, stream)) != FQ_OK) return st; /* [serving] */

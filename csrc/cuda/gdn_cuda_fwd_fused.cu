@@ -17,7 +17,8 @@
  *               in MAP mode (start [I | 0], values [0 | V], no outputs);
  *   combine     S_0 = h0, S_{sigma+1} = M_sigma S_sigma + D_sigma (fp32);
  *   FULL pass   every segment at once from its start state.
- * nseg depends only on the sequence's own chunk count and the head shape. */
+ * nseg depends only on the sequence's own length, the head shape and o's
+ * dtype (in the forward the maps live in o's rows: fq_omap, cp_fit). */
 
 /* segments per sequence at most, from (HV, K, V) only (never from data or
  * the batch): one sequence's FULL pass (P HV V/64 CTAs, one per SM) and its

@@ -121,8 +121,10 @@ template <int K, int MODE> struct fq_fused_smem {
 
 struct fq_fused_args {
     const fq_seg_info *segs;
-    float *md;           /* MAP: [cp_bound, HV, K, K + V] out, by fq_seg_info.cp */
-    const float *ss;     /* FULL: [cp_bound, HV, K, V] start states of split sequences' segments, by .cp */
+    float *md;           /* MAP: [cp_bound, HV, K, K + V] out, by fq_seg_info.cp; NULL in the
+                            forward: the maps are in o's rows then (fq_omap; ws->omap) */
+    const float *ss;     /* FULL: [cp_bound, HV, K, V] start states of split sequences' segments,
+                            by .cp; NULL in the forward: in o's rows (fq_omap) */
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
     const fq_bf16 *a;    /* [nc_max, HV, FQ_APACK_ELEMS] A'' packed */
     const float *h0;     /* [N, HV, K, V] or NULL; [serving] the pool [P, HV, K, V] */
@@ -956,7 +958,7 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
 }
 
 /* Context parallelism's MAP pass and combine step (the segment start states
- * into ws->ss) where sequences are split (ws->nseg_max > 1; else nothing),
+ * into ws->ss, or o's rows: fq_omap) where sequences are split (ws->nseg_max > 1; else nothing),
  * with the caller's maps (MAP reads k and v): the first launches of
  * fq_cuda_fwd_fused and fq_cuda_fwd_fused_states (gdn_cuda_fwd_fused.cu). */
 fq_status fq_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_fused_maps &m, cudaStream_t stream);
