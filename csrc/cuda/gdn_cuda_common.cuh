@@ -337,7 +337,7 @@ typedef struct fq_seg_info {
 #define FQ_SLOT_NONE (-1)
 #define FQ_SLOT_DUP (-2)
 
-/* The fused forward's segment maps and start states in o (ws->omap): o's rows
+/* The fused forward's segment maps and start states in o (ws->md NULL): o's rows
  * of a split sequence hold them from the MAP pass until the FULL pass writes
  * o over them, so that they take no workspace. Per (sequence, value head j),
  * the sequence's tokens t, each a row of RB = V elem bytes at
@@ -484,11 +484,11 @@ typedef struct fq_fwd_ws {
                                 the segments of split sequences at most (each has
                                 >= FQ_CP_MIN_CHUNKS chunks); from sizes only    */
     float *md;               /* [cp_bound, HV, K, K + V] segment maps [M | D], by
-                                fq_seg_info.cp (NULL when nseg_max == 1 or omap) */
+                                fq_seg_info.cp; NULL when nseg_max == 1, and in
+                                the forward, whose maps and start states live
+                                in o's rows instead (fq_omap above)          */
     float *ss;               /* [cp_bound, HV, K, V] segment start states, by
-                                fq_seg_info.cp (NULL when nseg_max == 1 or omap) */
-    int omap;                /* 1: the maps and start states live in o's rows
-                                instead (the forward: fq_omap below)         */
+                                fq_seg_info.cp (NULL where md is)            */
     int cp_fit;              /* 1: a sequence splits only as far as its maps fit
                                 in its rows of o (fq_fwd_segments_kernel; the
                                 forward and the backward's recompute)        */

@@ -106,7 +106,7 @@ static size_t fq_fwd_ws_common(const fq_gdn_params *p, char *base, fq_fwd_ws *ws
     if (nc < 0) nc = 0;
     if (N < 0) N = 0;
     ws->nc_max = nc;
-    ws->omap = ws->cp_fit = 0;
+    ws->cp_fit = 0;
     size_t off = 0;
     ws->chunks = (fq_chunk_info *)fq_carve(base, &off, (size_t)(nc > 0 ? nc : 1) * sizeof(fq_chunk_info));
     ws->seqs = (fq_seq_info *)fq_carve(base, &off, (size_t)(N > 0 ? N : 1) * sizeof(fq_seq_info));
@@ -176,7 +176,6 @@ static size_t fq_fwd_fused_extras(const fq_gdn_params *p, char *base, size_t off
     ws->seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->nseg_max);
     ws->segs = (fq_seg_info *)fq_carve(base, &off, (size_t)(ws->seg_bound > 0 ? ws->seg_bound : 1) * sizeof(fq_seg_info));
     ws->cp_bound = fq_cuda_fwd_cp_bound(p, nc, ws->nseg_max);
-    ws->omap = omap;
     ws->cp_fit = 1;
     ws->md = ws->ss = NULL;
     if (ws->nseg_max > 1 && !omap) {

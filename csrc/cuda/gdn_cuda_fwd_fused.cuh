@@ -122,7 +122,7 @@ template <int K, int MODE> struct fq_fused_smem {
 struct fq_fused_args {
     const fq_seg_info *segs;
     float *md;           /* MAP: [cp_bound, HV, K, K + V] out, by fq_seg_info.cp; NULL in the
-                            forward: the maps are in o's rows then (fq_omap; ws->omap) */
+                            forward: the maps are in o's rows then (fq_omap) */
     const float *ss;     /* FULL: [cp_bound, HV, K, V] start states of split sequences' segments,
                             by .cp; NULL in the forward: in o's rows (fq_omap) */
     const float *rec;    /* [nc_max, HV, FQ_REC_FLOATS] the gate records */
@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         int s0vk = 0;
         float s0fill = 0.f;
         /* a split sequence's start state in its segment's rows of o where the
-         * forward keeps it there (fq_omap; ss NULL then: ws->omap) */
+         * forward keeps it there (fq_omap; ss NULL then) */
         const int om0 = !MAP && !HST && si.count > 1 && !args.ss;
         if (!MAP) {
             if (si.count > 1) {
@@ -824,7 +824,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         if (tc == 0) FQ_TL(5);
         if (MAP && !args.md) {
             /* element (kd, v) of block cb of the segment's map, in the sequence's rows of o
-             * where the forward keeps it there (fq_omap; md NULL then: ws->omap) */
+             * where the forward keeps it there (fq_omap; md NULL then) */
             const fq_omap om = fq_omap_make(args.o, HV, K, V, args.odt);
             const int64_t R = fq_omap_blk(om, si.bos - (int64_t)64 * si.cfirst, si.nchunks, si.count,
                                           om.ncb * si.index + cb);

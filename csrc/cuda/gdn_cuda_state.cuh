@@ -110,11 +110,11 @@ static __device__ __forceinline__ void fq_pair_add(float P[8][4], const float2 *
  * into shared memory (row stride 33: the row-per-thread reads below hit 32
  * banks), the next slice's pieces in registers while the current one is
  * multiplied: one L2 round trip per slice in flight at a time instead of
- * one per 4 columns per thread. omap (the forward only): md and ss are in
- * o's rows (fq_omap) instead of slots si.cp, si.cp + 1, ... */
+ * one per 4 columns per thread. md == NULL (the forward only, REV = 0): md
+ * and ss are in o's rows (fq_omap) instead of slots si.cp, si.cp + 1, ... */
 template <int K, int REV>
 __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *segs, const float *md, const float *h0,
-                                                          float *ss, int HV, int V, int vk, int omap, fq_omap om)
+                                                          float *ss, int HV, int V, int vk, fq_omap om)
 {
     constexpr int SL = 32, LDM = SL + 1, NP = K * SL / 4 / K; /* float4 pieces per thread per slice: 8 */
     __shared__ __align__(16) float S[K][16];
@@ -133,18 +133,19 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
 #pragma unroll
     for (int c = 0; c < 16; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, 16 * vc + c, K, V, vk)] : fill;
     /* md and ss of the sg-th segment walked: by the segments' compact slots si.cp,
-     * si.cp + dir, ...; omap: in o's rows (segment sg, from si.bos, si.nchunks each) */
-    /* element (row, col) of the map walked sg-th; R: the first row of its map block
-     * (col / 64) in o (omap, fq_omap_blk), once per slice / row piece */
+     * si.cp + dir, ...; or in o's rows (segment sg from si.bos, si.nchunks chunks
+     * each), element (row, col) of a map in its block col / 64 whose first row R
+     * (fq_omap_blk) is found once per slice or row piece */
+    const int omap = !REV && !md;
     auto mdp = [&](int sg, int64_t R, int row, int col) -> const float * {
-        if (!REV && omap) return fq_omap_at(om, R, j, row, col & 63);
+        if (omap) return fq_omap_at(om, R, j, row, col & 63);
         return md + ((int64_t)(si.cp + dir * sg) * HV + j) * K * (K + V) + (int64_t)row * (K + V) + col;
     };
     auto blk = [&](int sg, int col) -> int64_t {
-        return !REV && omap ? fq_omap_blk(om, si.bos, si.nchunks, si.count, om.ncb * sg + (col >> 6)) : 0;
+        return omap ? fq_omap_blk(om, si.bos, si.nchunks, si.count, om.ncb * sg + (col >> 6)) : 0;
     };
     auto ssp = [&](int sg) -> float * { /* row kd, columns 16 vc .. 16 vc + 15 */
-        if (!REV && omap) return fq_omap_ss(om, si.bos + (int64_t)64 * si.nchunks * sg, j, (16 * vc) >> 6, kd, (16 * vc) & 63);
+        if (omap) return fq_omap_ss(om, si.bos + (int64_t)64 * si.nchunks * sg, j, (16 * vc) >> 6, kd, (16 * vc) & 63);
         return ss + (((int64_t)(si.cp + dir * sg) * HV + j) * K + kd) * V + 16 * vc;
     };
     float *ss0 = ssp(0);
@@ -215,11 +216,11 @@ static fq_status fq_cp_combine_launch(const fq_gdn_params *p, const fq_fwd_ws *w
     if (p->K == 128)
         return fq_launch_k(fq_cp_combine_kernel<128, REV>, grid, 128, 0, stream, pdl, (const fq_seg_info *)ws->segs,
                            (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk,
-                           REV ? 0 : ws->omap, fq_omap_of(p));
+                           fq_omap_of(p));
     if (p->K == 64)
         return fq_launch_k(fq_cp_combine_kernel<64, REV>, grid, 64, 0, stream, pdl, (const fq_seg_info *)ws->segs,
                            (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk,
-                           REV ? 0 : ws->omap, fq_omap_of(p));
+                           fq_omap_of(p));
     return fq_cuda_head_dims_unsupported(p);
 }
 #endif
