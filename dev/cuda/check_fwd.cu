@@ -1042,8 +1042,9 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "prof") == 0) {
         fq_gdn_params p;
         Dev d;
-        if (!run_three_forwards(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? atoi(argv[3]) : 32, 1,
-                                argc > 4 ? atoi(argv[4]) : 8192, &p, &d, "prof"))
+        /* prof [H HV T [B]]: B sequences of T tokens */
+        if (!run_three_forwards(argc > 2 ? atoi(argv[2]) : 16, argc > 3 ? atoi(argv[3]) : 32,
+                                argc > 5 ? atoi(argv[5]) : 1, argc > 4 ? atoi(argv[4]) : 8192, &p, &d, "prof"))
             return 1;
         printf("prof: done\n");
         free_dev(d);

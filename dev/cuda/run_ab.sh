@@ -11,7 +11,8 @@
 # run: `check_fwd time` of A, B, A, B (drift shows as A vs A), B's quick check against
 # the float64 reference, compute-sanitizer memcheck (tiny) and racecheck (race) of B,
 # the CTA timelines of A and B; a table of the per-row times (total, stage A, main
-# kernel) of both, last. Logs in $OUT.
+# kernel) of both, last. Logs in $OUT. FQ_AB_NO_TL=1 leaves the timelines out; a third
+# binary .devbin/check_fwd_c.xz (built by hand, e.g. B with another -D) is timed after B's.
 set -u
 MODE=${1:-run}
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -42,8 +43,9 @@ RUNBIN=/tmp/fq_ab_bin; mkdir -p $RUNBIN
 for f in "$BIN"/check_fwd_*.xz; do xz -dc "$f" > $RUNBIN/$(basename "$f" .xz) && chmod +x $RUNBIN/$(basename "$f" .xz); done
 BIN=$RUNBIN
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+SIDES="a b"; [ -x "$BIN/check_fwd_c" ] && SIDES="a b c"
 for k in 1 2; do
-    for side in a b; do
+    for side in $SIDES; do
         timeout 120 "$BIN/check_fwd_$side" time > "$OUTDIR/time_${side}$k.log" 2>&1 || echo "time $side$k: exit $?"
     done
 done
@@ -61,6 +63,7 @@ wait $j1 $j2
 echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' "$OUTDIR/memcheck_b.log" | tail -3 | tr '\n' ' ')"
 echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' "$OUTDIR/racecheck_b.log" | tail -3 | tr '\n' ' ')"
 for side in a b; do
+    [ -n "${FQ_AB_NO_TL:-}" ] && break # (FQ_AB_NO_TL=1: no timelines, when the call has other work)
     echo "=== timeline $side"
     timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|seg|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
     cat "$OUTDIR/timeline_$side.log"
@@ -91,7 +94,7 @@ def rows(path):
         elif on:
             on = False
     return out
-runs = [(n, rows(os.path.join(d, f"time_{n}.log"))) for n in ("a1", "b1", "a2", "b2")
+runs = [(n, rows(os.path.join(d, f"time_{n}.log"))) for n in ("a1", "b1", "c1", "a2", "b2", "c2")
         if os.path.exists(os.path.join(d, f"time_{n}.log"))]
 shapes = [s for s in runs[0][1]] if runs else []
 print(f"{'row':18s} " + " ".join(f"{n:>20s}" for n, _ in runs) + "   B/A total")
@@ -99,6 +102,8 @@ for s in shapes:
     cells = [" / ".join(f"{x:.3f}" for x in r.get(s, (0, 0, 0))) for _, r in runs]
     a = [r[s][0] for n, r in runs if n[0] == "a" and s in r]
     b = [r[s][0] for n, r in runs if n[0] == "b" and s in r]
+    c = [r[s][0] for n, r in runs if n[0] == "c" and s in r]
     ratio = f"{min(b) / min(a):.3f}" if a and b else "-"
+    if a and c: ratio += f"  C/A {min(c) / min(a):.3f}"
     print(f"{s:18s} " + " ".join(f"{c:>20s}" for c in cells) + f"   {ratio}")
 PY
