@@ -891,7 +891,7 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
  * (chunk, q/k head) and runs the R = HV / H value heads of one after another
  * on one K K^T (formed once, each warp's block row then kept as fp32
  * fragments in the place of the K tile); the gating of L onwards is per value
- * head. Shared memory (54 KB at K = 128 and 54 KB at K = 64 with the
+ * head. Shared memory (55 KB at K = 128 and 55 KB at K = 64 with the
  * fragments' own 16 KB, 4 blocks per SM): the K tiles
  * (double-buffered: the next key item's loads in flight), the diagonal
  * blocks in fp32, A in bf16 (upper blocks zero, so block products may run
@@ -904,17 +904,24 @@ template <int K> struct fq_inv_smem {
     static constexpr int off_a = off_k1 + 64 * LDK * 2;
     static constexpr int off_x = off_a + 64 * LDA * 2;
     static constexpr int off_d = off_x + 4 * 16 * LDX * 2;
+    /* two sets of the item vectors gamma, beta, rk, rq (64 floats each): the
+     * current item's, and the next one's, which warp 0 forms meanwhile */
     static constexpr int off_vec = off_d + 4 * 16 * LDD * 4;
-    static constexpr int off_bad = off_vec + 4 * 64 * 4; /* per warp: its block row's non-finite rows (16 bits) */
+    static constexpr int vec_floats = 4 * 64;
+    /* per warp w: its block row's non-finite rows (16 bits), in the padding of
+     * its diagonal block (row 0, columns 16.. of Ld's block w: never written else) */
+    static __host__ __device__ constexpr int bad_word(int w) { return w * 16 * LDD + 16; }
     /* the four block rows of K K^T as fp32 fragments (16 KB): in the place of
      * the K tile they come from once it is read (K = 128), else their own */
     static constexpr int kkt_bytes = 4 * 8 * 32 * 16;
     static constexpr bool kkt_in_k = kkt_bytes <= 64 * LDK * 2;
-    static constexpr int off_kkt = off_bad + 16;
+    static constexpr int off_kkt = off_vec + 2 * vec_floats * 4;
     static constexpr int bytes = off_kkt + (kkt_in_k ? 0 : kkt_bytes);
 };
 /* one worker's share of a block of several (its K tiles keep their 16-byte alignment) */
 template <int K> static __host__ __device__ constexpr int fq_inv_worker_bytes() { return (fq_inv_smem<K>::bytes + 127) / 128 * 128; }
+static_assert(fq_inv_smem<128>::bytes + 1024 <= 233472 / 4 && fq_inv_smem<64>::bytes + 1024 <= 233472 / 4,
+              "four stage A workers per SM");
 
 
 /* d (+)= a b for a 16x16 left factor a (A fragment) and the 16 x 8n right
@@ -1100,12 +1107,23 @@ static __device__ __forceinline__ void fq_inv_sync(void)
  * in shared memory, the 128 threads of one worker.
  * Writes A'' and the record of `item` (and, beside the state pass, sets its
  * ready flag once both are written). */
-template <int K, int G>
+template <int K, int G, class Hook>
 static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
                                                    const float4 *kkt, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
-                                                   float *gam, float *bet, float *rkv, const float *rqv, int *ready)
+                                                   const float *gam, const float *bet, const float *rkv,
+                                                   const float *rqv, int *ready, Hook next_gates)
 {
     typedef fq_inv_smem<K> SM;
+    /* f = the first bad row (64: none), from the warps' words (written
+     * before the barrier after the diagonal solves) */
+    auto first_bad = [&]() {
+        const uint32_t *sb = (const uint32_t *)Ld;
+        const unsigned long long m = (unsigned long long)sb[SM::bad_word(0)] |
+                                     (unsigned long long)sb[SM::bad_word(1)] << 16 |
+                                     (unsigned long long)sb[SM::bad_word(2)] << 32 |
+                                     (unsigned long long)sb[SM::bad_word(3)] << 48;
+        return m ? __ffsll((long long)m) - 1 : 64;
+    };
     const int tid = G > 1 ? threadIdx.x & 127 : threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
@@ -1124,7 +1142,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     default: fast = fq_inv_l_fast<3>(l, bet, rkv, gam, gq, tq); break;
     }
     if (__all_sync(0xffffffffu, fast)) {
-        if (lane == 0) ((uint32_t *)((unsigned char *)Ld + (SM::off_bad - SM::off_d)))[warp] = 0u; /* no bad row */
+        if (lane == 0) ((uint32_t *)Ld)[SM::bad_word(warp)] = 0u; /* no bad row */
     } else {
         /* the general form, from K K^T again */
 #pragma unroll
@@ -1170,7 +1188,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             uint32_t m = 0;
 #pragma unroll
             for (int q = 0; q < 8; q++) m |= (((b0 >> (4 * q)) & 15u) ? 1u : 0u) << q | (((b1 >> (4 * q)) & 15u) ? 1u : 0u) << (q + 8);
-            ((uint32_t *)((unsigned char *)Ld + (SM::off_bad - SM::off_d)))[warp] = m; /* read after the barriers below */
+            ((uint32_t *)Ld)[SM::bad_word(warp)] = m; /* read after the barriers below */
         }
     }
 
@@ -1282,6 +1300,29 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             fq_inv_mm<4>(t, a, Ab, SM::LDA, 16 * kb, 0);
         }
         fq_inv_store_c<4>(Xw, SM::LDX, 0, t, 1.f);
+    } else if (warp == 0) {
+        next_gates(); /* the next item's gate scan (the other vector set), the one after's gate loads */
+    } else {
+        /* warp 1: the gate record, rows lane and lane + 32 */
+        const int f1 = first_bad();
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = lane + 32 * h;
+            const float rq = rqv[r];
+            float *rec = args.rec + item * FQ_REC_FLOATS;
+            const float ga = gam[r], eg = __expf(ga), rk = rkv[r];
+            rec[FQ_REC_G2 + r] = ga * 1.4426950408889634f;
+            rec[FQ_REC_RK + r] = rk;
+            rec[FQ_REC_PRQ + r] = args.scale * rq;
+            const float nan = __int_as_float(0x7fc00000);
+            const int ok = r < f1; /* rows from f on: no column factor, NaN row factor for o */
+            rec[FQ_REC_FA1 + r] = ok ? eg * rk : 0.f;
+            rec[FQ_REC_QG + r] = ok ? args.scale * eg * rq : nan;
+            rec[FQ_REC_KD + r] = ok ? __expf(gam[63] - ga) * rk : 0.f;
+            rec[FQ_REC_BETA + r] = ok ? bet[r] : 0.f;
+            if (r < 4)
+                rec[FQ_REC_EC + r] = r == 0 ? (f1 < 64 ? nan : __expf(gam[63])) : r == 1 ? (float)f1 : 0.f;
+        }
     }
     /* T_2 (warp 2's scratch) visible to warp 3: the worker's barrier (warps 0
      * and 1 have nothing left to do here; a named barrier of warps 2 and 3
@@ -1305,13 +1346,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
 
     /* f = the first bad row (64: none): columns c >= f of A'' are zero, the
      * record poisons rows r >= f (the header) */
-    int f;
-    {
-        const uint32_t *sb = (const uint32_t *)((const unsigned char *)Ld + (SM::off_bad - SM::off_d));
-        const unsigned long long m = (unsigned long long)sb[0] | (unsigned long long)sb[1] << 16 |
-                                     (unsigned long long)sb[2] << 32 | (unsigned long long)sb[3] << 48;
-        f = m ? __ffsll((long long)m) - 1 : 64;
-    }
+    const int f = first_bad();
     /* A'' = A diag(beta) (bf16; stored: its blocks on and below the diagonal,
      * FQ_APACK_BYTES, gdn_cuda_common.cuh) and the gate record. By 16-byte
      * piece p of the stored tile, so that a warp writes 512 contiguous bytes:
@@ -1347,22 +1382,6 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             *(uint4 *)(ag + 8 * p) = x;
         }
     }
-    if (tid < 64) {
-        const float rq = rqv[tid];
-        float *rec = args.rec + item * FQ_REC_FLOATS;
-        const float ga = gam[tid], eg = __expf(ga), rk = rkv[tid];
-        rec[FQ_REC_G2 + tid] = ga * 1.4426950408889634f;
-        rec[FQ_REC_RK + tid] = rk;
-        rec[FQ_REC_PRQ + tid] = args.scale * rq;
-        const float nan = __int_as_float(0x7fc00000);
-        const int ok = tid < f; /* rows from f on: no column factor, NaN row factor for o */
-        rec[FQ_REC_FA1 + tid] = ok ? eg * rk : 0.f;
-        rec[FQ_REC_QG + tid] = ok ? args.scale * eg * rq : nan;
-        rec[FQ_REC_KD + tid] = ok ? __expf(gam[63] - ga) * rk : 0.f;
-        rec[FQ_REC_BETA + tid] = ok ? bet[tid] : 0.f;
-        if (tid < 4)
-            rec[FQ_REC_EC + tid] = tid == 0 ? (f < 64 ? nan : __expf(gam[63])) : tid == 1 ? (float)f : 0.f;
-    }
     if (G > 1 && ready) { /* beside the state pass: every thread's stores of A'' and the record, then the flag */
         fq_inv_sync<G>();
         if (tid == 0) fq_flag_publish(ready + item);
@@ -1377,9 +1396,12 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
  * that share its K tile and K K^T (GVA): the tile is loaded once (cp.async,
  * double-buffered: the next key item's is in flight meanwhile), K K^T formed
  * once into shared memory (each warp its own block row), and per value head
- * only the gates, L, the inverse and the stores differ. The next item's gates
- * (raw, in registers of warp 0) are loaded while the current one is computed,
- * the chunk table two key items ahead. */
+ * only the gates, L, the inverse and the stores differ. Warps 0 and 1, idle
+ * in level 2 of the inverse, do the item's serial side work there: warp 0
+ * the next item's gate scan (into the other of two vector sets) and the
+ * loads of the gates after it, warp 1 this item's gate record; so an item
+ * starts with one barrier and L at once. The chunk table is read two key
+ * items ahead. */
 template <int K, int G>
 __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_args args, int kitems, int *ready)
 {
@@ -1390,8 +1412,7 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
     fq_bf16 *Ab = (fq_bf16 *)(smem + SM::off_a);
     fq_bf16 *Xs = (fq_bf16 *)(smem + SM::off_x);
     float *Ld = (float *)(smem + SM::off_d);
-    float *gam = (float *)(smem + SM::off_vec);
-    float *bet = gam + 64, *rkv = gam + 128, *rqv = gam + 192;
+    float *vecs = (float *)(smem + SM::off_vec); /* two sets [gamma | beta | rk | rq], 64 floats each */
     const int HV = args.HV, H = args.H, R = HV / H;
     const int tid = G > 1 ? threadIdx.x & 127 : threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int stride = gridDim.x * G;
@@ -1424,34 +1445,59 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
         if (c.seq >= 0)
             fq_wy_load_rows<K, SM::LDK>((fq_bf16 *)(smem + (b ? SM::off_k1 : SM::off_k)), args.kb, H, hq, c, tid);
     };
-    /* the chunk table is read two key items ahead, the gates one item ahead,
-     * so that no load is waited for where it is issued */
+    /* the chunk table is read two key items ahead. The gates: warp 0 scans
+     * item n + 1's (raw, loaded an item ago, into the other vector set) and
+     * loads item n + 2's while the other warps compute item n's level 2
+     * (next_gates below), so that no warp waits for the scan: items run in
+     * the order (key item, value head) and alternate between the two sets. */
     int ki = blockIdx.x * G + (G > 1 ? threadIdx.x >> 7 : 0), hq = ki % H;
     fq_chunk_info ci = chunk_of(ki), cn = chunk_of(ki + stride);
     issue(ci, hq, 0);
     fq_cp_async_commit();
     fq_inv_raw gx;
-    if (warp == 0) fq_inv_gates(args, ci, hq * R, hq, gx);
+    /* the raw gates of the item i2 places after value head i of key item ki
+     * (into gx; warp 0) */
+    auto load_ahead = [&](int i, int i2, const fq_chunk_info &c0, const fq_chunk_info &c1, const fq_chunk_info &c2,
+                          int h0, int h1, int h2) {
+        int j = i + i2, kk = 0;
+        while (j >= R) j -= R, kk++;
+        const fq_chunk_info &c = kk == 0 ? c0 : kk == 1 ? c1 : c2;
+        const int h = kk == 0 ? h0 : kk == 1 ? h1 : h2;
+        fq_inv_gates(args, c, h * R + j, h, gx);
+    };
+    int vs = 0; /* the vector set of the current item */
+    if (warp == 0) {
+        fq_inv_gates(args, ci, hq * R, hq, gx);
+        fq_inv_gate_scan(gx, args.gate_dtype, vecs, vecs + 64, vecs + 128, vecs + 192, lane);
+        load_ahead(0, 1, ci, cn, cn, hq, (ki + stride) % H, (ki + stride) % H);
+    }
 #pragma unroll 1
     for (int buf = 0; ki < kitems; ki += stride, buf ^= 1) {
-        const int nki = ki + stride, nhq = nki % H;
+        const int nki = ki + stride, nhq = nki % H, nnhq = (nki + stride) % H;
         const fq_chunk_info cnn = chunk_of(nki + stride); /* used from the next key item on */
         const int64_t item0 = (int64_t)(ki / H) * HV + hq * R; /* (chunk, value head hq R) */
 #pragma unroll 1
-        for (int i = 0; i < R; i++) {
-            fq_inv_sync<G>(); /* the previous item is done with A, the scratch, the vectors (and buffer buf ^ 1) */
+        for (int i = 0; i < R; i++, vs ^= 1) {
+            /* the previous item is done with A, the scratch, its vector set
+             * and buffer buf ^ 1; this item's vector set (scanned by warp 0
+             * during the previous item) and, i = 0, this key item's K tile
+             * (the only group in flight) are visible after the barrier */
+            if (i == 0) fq_cp_async_wait<0>();
+            fq_inv_sync<G>();
             if (i == 0) {
                 issue(cn, nhq, buf ^ 1);
                 fq_cp_async_commit();
             }
-            if (warp == 0) {
-                fq_inv_gate_scan(gx, args.gate_dtype, gam, bet, rkv, rqv, lane);
-                if (i + 1 < R) fq_inv_gates(args, ci, hq * R + i + 1, hq, gx);
-                else fq_inv_gates(args, cn, nhq * R, nhq, gx);
+            const float *gam = vecs + vs * SM::vec_floats;
+            float *nvec = vecs + (vs ^ 1) * SM::vec_floats;
+            auto next_gates = [&]() {
+                fq_inv_gate_scan(gx, args.gate_dtype, nvec, nvec + 64, nvec + 128, nvec + 192, lane);
+                load_ahead(i, 2, ci, cn, cnn, hq, nhq, nnhq);
+            };
+            if (ci.seq < 0) { /* block-uniform */
+                if (warp == 0) next_gates();
+                continue;
             }
-            if (i == 0) fq_cp_async_wait<1>(); /* this key item's K tile */
-            fq_inv_sync<G>();
-            if (ci.seq < 0) continue; /* block-uniform */
             /* this key item's K K^T: warp w's block row as fp32 fragments (K = 128: in place of the K tile) */
             float4 *kkt = (float4 *)(smem + (!SM::kkt_in_k ? SM::off_kkt : buf ? SM::off_k1 : SM::off_k)) + warp * 8 * 32;
             if (i == 0) {
@@ -1469,7 +1515,8 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
                 for (int n = 0; n < 8; n++) kkt[32 * n + lane] = make_float4(l[n][0], l[n][1], l[n][2], l[n][3]);
                 /* (each lane reads back only what it wrote) */
             }
-            fq_inv_item<K, G>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, bet, rkv, rqv, ready);
+            fq_inv_item<K, G>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, gam + 64, gam + 128, gam + 192, ready,
+                              next_gates);
         }
         ci = cn;
         cn = cnn;
