@@ -11,7 +11,8 @@
 # run: `check_fwd time` of A, B, A, B (drift shows as A vs A), B's quick check against
 # the float64 reference, compute-sanitizer memcheck (tiny) and racecheck (race) of B,
 # the CTA timelines of A and B; a table of the per-row times (total, stage A, main
-# kernel) of both, last. Logs in $OUT. FQ_AB_NO_TL=1 leaves the timelines out; a third
+# kernel) of both, last. Logs in $OUT. FQ_AB_NO_TL=1 leaves the timelines out, FQ_AB_NO_SAN=1
+# the sanitizers; a third
 # binary .devbin/check_fwd_c.xz (built by hand, e.g. B with another -D) is timed after B's.
 set -u
 MODE=${1:-run}
@@ -54,6 +55,7 @@ timeout 150 "$BIN/check_fwd_b" quick > "$OUTDIR/quick_b.log" 2>&1; rc=$?
 grep -E "FAIL" "$OUTDIR/quick_b.log" | head -20
 echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_b.log") ok, $(grep -c FAIL "$OUTDIR/quick_b.log") FAIL lines)"
 grep -E "correctness:" "$OUTDIR/quick_b.log"
+if [ -z "${FQ_AB_NO_SAN:-}" ]; then # (FQ_AB_NO_SAN=1: no sanitizer runs, when the device time is short)
 echo "=== B memcheck (tiny) and racecheck (race), in parallel"
 ( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/check_fwd_b" tiny > "$OUTDIR/memcheck_b.log" 2>&1 ) &
 j1=$!
@@ -62,6 +64,7 @@ j2=$!
 wait $j1 $j2
 echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' "$OUTDIR/memcheck_b.log" | tail -3 | tr '\n' ' ')"
 echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' "$OUTDIR/racecheck_b.log" | tail -3 | tr '\n' ' ')"
+fi
 for side in a b; do
     [ -n "${FQ_AB_NO_TL:-}" ] && break # (FQ_AB_NO_TL=1: no timelines, when the call has other work)
     echo "=== timeline $side"
