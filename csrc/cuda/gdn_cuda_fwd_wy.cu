@@ -1124,6 +1124,30 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
                                      (unsigned long long)sb[SM::bad_word(3)] << 48;
         return m ? __ffsll((long long)m) - 1 : 64;
     };
+    /* SIDE (lone workers): warps 0 and 1 do the item's side work in level 2,
+     * where they would wait; beside the state pass (G > 1) the flow of
+     * before: the record after A'', the gate scan at the item's start
+     * (there the faster side-work flow made the whole forward 2-4 % slower,
+     * benchmarks/NOTES.md, session 12) */
+    constexpr bool SIDE = G == 1;
+    /* the gate record's row r (f: the first bad row) */
+    auto record_row = [&](int r, int f1) {
+        const float rq = rqv[r];
+        float *rec = args.rec + item * FQ_REC_FLOATS;
+        const float ga = gam[r], eg = __expf(ga), rk = rkv[r];
+        rec[FQ_REC_G2 + r] = ga * 1.4426950408889634f;
+        rec[FQ_REC_RK + r] = rk;
+        rec[FQ_REC_PRQ + r] = args.scale * rq;
+        const float nan = __int_as_float(0x7fc00000);
+        const int ok = r < f1; /* rows from f on: no column factor, NaN row factor for o */
+        rec[FQ_REC_FA1 + r] = ok ? eg * rk : 0.f;
+        rec[FQ_REC_QG + r] = ok ? args.scale * eg * rq : nan;
+        rec[FQ_REC_KD + r] = ok ? __expf(gam[63] - ga) * rk : 0.f;
+        rec[FQ_REC_BETA + r] = ok ? bet[r] : 0.f;
+        if (r < 4)
+            rec[FQ_REC_EC + r] = r == 0 ? (f1 < 64 ? nan : __expf(gam[63])) : r == 1 ? (float)f1 : 0.f;
+    };
+
     const int tid = G > 1 ? threadIdx.x & 127 : threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
     /* L = strict_lower(diag(beta rk) (K K^T ⊙ Gamma) diag(rk)): warp w's block
@@ -1300,29 +1324,13 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             fq_inv_mm<4>(t, a, Ab, SM::LDA, 16 * kb, 0);
         }
         fq_inv_store_c<4>(Xw, SM::LDX, 0, t, 1.f);
-    } else if (warp == 0) {
+    } else if (SIDE && warp == 0) {
         next_gates(); /* the next item's gate scan (the other vector set), the one after's gate loads */
-    } else {
+    } else if (SIDE) {
         /* warp 1: the gate record, rows lane and lane + 32 */
         const int f1 = first_bad();
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = lane + 32 * h;
-            const float rq = rqv[r];
-            float *rec = args.rec + item * FQ_REC_FLOATS;
-            const float ga = gam[r], eg = __expf(ga), rk = rkv[r];
-            rec[FQ_REC_G2 + r] = ga * 1.4426950408889634f;
-            rec[FQ_REC_RK + r] = rk;
-            rec[FQ_REC_PRQ + r] = args.scale * rq;
-            const float nan = __int_as_float(0x7fc00000);
-            const int ok = r < f1; /* rows from f on: no column factor, NaN row factor for o */
-            rec[FQ_REC_FA1 + r] = ok ? eg * rk : 0.f;
-            rec[FQ_REC_QG + r] = ok ? args.scale * eg * rq : nan;
-            rec[FQ_REC_KD + r] = ok ? __expf(gam[63] - ga) * rk : 0.f;
-            rec[FQ_REC_BETA + r] = ok ? bet[r] : 0.f;
-            if (r < 4)
-                rec[FQ_REC_EC + r] = r == 0 ? (f1 < 64 ? nan : __expf(gam[63])) : r == 1 ? (float)f1 : 0.f;
-        }
+        for (int h = 0; h < 2; h++) record_row(lane + 32 * h, f1);
     }
     /* T_2 (warp 2's scratch) visible to warp 3: the worker's barrier (warps 0
      * and 1 have nothing left to do here; a named barrier of warps 2 and 3
@@ -1382,6 +1390,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
             *(uint4 *)(ag + 8 * p) = x;
         }
     }
+    if (!SIDE && tid < 64) record_row(tid, f);
     if (G > 1 && ready) { /* beside the state pass: every thread's stores of A'' and the record, then the flag */
         fq_inv_sync<G>();
         if (tid == 0) fq_flag_publish(ready + item);
@@ -1494,9 +1503,10 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
                 fq_inv_gate_scan(gx, args.gate_dtype, nvec, nvec + 64, nvec + 128, nvec + 192, lane);
                 load_ahead(i, 2, ci, cn, cnn, hq, nhq, nnhq);
             };
-            if (ci.seq < 0) { /* block-uniform */
+            if (G > 1 || ci.seq < 0) { /* (ci.seq < 0: block-uniform) */
                 if (warp == 0) next_gates();
-                continue;
+                if (ci.seq < 0) continue;
+                fq_inv_sync<G>(); /* (G > 1: as before the side-work flow, every warp waits for the scan) */
             }
             /* this key item's K K^T: warp w's block row as fp32 fragments (K = 128: in place of the K tile) */
             float4 *kkt = (float4 *)(smem + (!SM::kkt_in_k ? SM::off_kkt : buf ? SM::off_k1 : SM::off_k)) + warp * 8 * 32;
