@@ -1405,12 +1405,15 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
  * that share its K tile and K K^T (GVA): the tile is loaded once (cp.async,
  * double-buffered: the next key item's is in flight meanwhile), K K^T formed
  * once into shared memory (each warp its own block row), and per value head
- * only the gates, L, the inverse and the stores differ. Warps 0 and 1, idle
- * in level 2 of the inverse, do the item's serial side work there: warp 0
- * the next item's gate scan (into the other of two vector sets) and the
- * loads of the gates after it, warp 1 this item's gate record; so an item
- * starts with one barrier and L at once. The chunk table is read two key
- * items ahead. */
+ * only the gates, L, the inverse and the stores differ. Lone workers (G = 1):
+ * warps 0 and 1, idle in level 2 of the inverse, do the item's serial side
+ * work there: warp 0 the next item's gate scan (into the other of two vector
+ * sets) and the loads of the gates after it, warp 1 this item's gate record;
+ * so an item starts with one barrier and L at once. Beside the state pass
+ * (G = 4) warp 0 scans at the item's start while the others wait and the
+ * record follows A'' (the lone flow made the forward slower there:
+ * benchmarks/NOTES.md, session 12). The chunk table is read two key items
+ * ahead. */
 template <int K, int G>
 __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_args args, int kitems, int *ready)
 {
@@ -1456,8 +1459,8 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
     };
     /* the chunk table is read two key items ahead. The gates: warp 0 scans
      * item n + 1's (raw, loaded an item ago, into the other vector set) and
-     * loads item n + 2's while the other warps compute item n's level 2
-     * (next_gates below), so that no warp waits for the scan: items run in
+     * loads item n + 2's, while the other warps compute item n's level 2
+     * (G = 1) or at item n's start (G = 4; next_gates below): items run in
      * the order (key item, value head) and alternate between the two sets. */
     int ki = blockIdx.x * G + (G > 1 ? threadIdx.x >> 7 : 0), hq = ki % H;
     fq_chunk_info ci = chunk_of(ki), cn = chunk_of(ki + stride);
