@@ -1333,7 +1333,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         for (int h = 0; h < 2; h++) record_row(lane + 32 * h, f1);
     }
     /* T_2 (warp 2's scratch) visible to warp 3: the worker's barrier (warps 0
-     * and 1 have nothing left to do here; a named barrier of warps 2 and 3
+     * and 1 have only their side work here; a named barrier of warps 2 and 3
      * alone made racecheck misorder the items of a block) */
     fq_inv_sync<G>();
     if (warp >= 2) {
