@@ -683,7 +683,9 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
     free_dev(d);
 }
 
-static void time_recurrent(int N, int H, int HV, int T)
+/* idx: the pool through state_indices = arange(N) (int32), as bench_gpu.py's decode rows; 0:
+ * slot n for sequence n (its no-index rows) */
+static void time_recurrent(int N, int H, int HV, int T, int idx)
 {
     Problem pb = {};
     pb.B = N; pb.T = T; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
@@ -696,9 +698,18 @@ static void time_recurrent(int N, int H, int HV, int T)
     for (auto &x : pool) x = (float)(0.1 * randn());
     float *dpool = (float *)upload_typed(pool, FQ_F32);
     p.state = dpool; p.P = N; p.h0 = NULL; p.ht = NULL;
+    int *didx = NULL;
+    if (idx) {
+        std::vector<int> ar(N);
+        for (int i = 0; i < N; i++) ar[i] = i;
+        CK(cudaMalloc(&didx, sizeof(int) * N));
+        CK(cudaMemcpy(didx, ar.data(), sizeof(int) * N, cudaMemcpyHostToDevice));
+        p.state_indices = didx; p.state_indices_is_int64 = 0;
+    }
     float t = time_it(&p, NULL, 8, run_stage);
     double floor_ms = 2.0 * pool.size() * 4 / 4.27e12 * 1e3;
-    printf("  recurrent N=%d H=%d HV=%d T=%d: %.4f ms (floor %.4f ms)\n", N, H, HV, T, t, floor_ms);
+    printf("  recurrent N=%d H=%d HV=%d T=%d%s: %.4f ms (floor %.4f ms)\n", N, H, HV, T, idx ? " idx" : "", t, floor_ms);
+    if (didx) cudaFree(didx);
     cudaFree(dpool);
     free_dev(d);
 }
@@ -945,9 +956,10 @@ static const TimedFwd TIMED_FWD[] = {
     {2, 8, 1, 32768, 0, 0.904, 0.394, 1},   {2, 8, 1, 4096, 0, 0.1345, 0.133, 1},
     {8, 32, 1, 32768, 0, 1.885, 1.235, 0},  {16, 48, 1, 32768, 0, 2.711, 1.409, 0},
 };
-struct TimedRec { int N, H, HV, T, in_short; };
+struct TimedRec { int N, H, HV, T, in_short, idx; };
 static const TimedRec TIMED_REC[] = {
-    {1, 16, 32, 1, 1}, {16, 16, 32, 1, 0}, {64, 16, 32, 1, 1}, {256, 16, 32, 1, 1}, {64, 16, 32, 4, 1}, {256, 2, 8, 1, 0},
+    {1, 16, 32, 1, 1, 0},   {1, 16, 32, 1, 1, 1},  {16, 16, 32, 1, 0, 1}, {64, 16, 32, 1, 1, 0},
+    {64, 16, 32, 1, 1, 1},  {256, 16, 32, 1, 1, 1}, {64, 16, 32, 4, 1, 1}, {256, 2, 8, 1, 0, 1},
 };
 
 static void run_timings(int short_only)
@@ -962,7 +974,7 @@ static void run_timings(int short_only)
         time_fwd(16, 32, 8, 1024, 0, NAN, NAN, 256);
     }
     for (const TimedRec &r : TIMED_REC)
-        if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T);
+        if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T, r.idx);
 }
 
 /* One bf16 problem of B sequences of T tokens (fast inputs, h0 and ht), uploaded

@@ -18,7 +18,7 @@ set -u
 MODE=${1:-run}
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/../.." || exit 1
-BIN=$PWD/.devbin
+BIN=$PWD/${FQ_AB_BIN:-.devbin} # (FQ_AB_BIN: another folder of A/B binaries, e.g. .devbin_dec, so that two pairs travel in one call)
 if [ "$MODE" = build ]; then
     OTHER=${2:?usage: run_ab.sh build OTHER_TREE [B_NVFLAGS]}
     BFLAGS=${3:-} # extra nvcc flags for B only (e.g. -DFQ_CP_MIN_CHUNKS=65: a variant of a constant)
@@ -70,6 +70,10 @@ for side in a b; do
     echo "=== timeline $side"
     timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|seg|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
     cat "$OUTDIR/timeline_$side.log"
+done
+echo "=== the recurrent step (ms), runs A1 B1 A2 B2"
+for n in a1 b1 c1 a2 b2 c2; do
+    [ -f "$OUTDIR/time_$n.log" ] && grep -h "recurrent N=" "$OUTDIR/time_$n.log" | sed "s/^ */$n /"
 done
 echo "=== per row (ms): total / stage A (inverse) / main kernel, runs A1 B1 A2 B2"
 python3 - "$OUTDIR" <<'PY'
