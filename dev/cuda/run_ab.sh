@@ -55,6 +55,13 @@ timeout 150 "$BIN/check_fwd_b" quick > "$OUTDIR/quick_b.log" 2>&1; rc=$?
 grep -E "FAIL" "$OUTDIR/quick_b.log" | head -20
 echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_b.log") ok, $(grep -c FAIL "$OUTDIR/quick_b.log") FAIL lines)"
 grep -E "correctness:" "$OUTDIR/quick_b.log"
+if [ -x "$BIN/check_fwd_c" ]; then
+    echo "=== C quick"
+    timeout 150 "$BIN/check_fwd_c" quick > "$OUTDIR/quick_c.log" 2>&1; rc=$?
+    grep -E "FAIL" "$OUTDIR/quick_c.log" | head -20
+    echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_c.log") ok, $(grep -c FAIL "$OUTDIR/quick_c.log") FAIL lines)"
+    grep -E "correctness:" "$OUTDIR/quick_c.log"
+fi
 if [ -z "${FQ_AB_NO_SAN:-}" ]; then # (FQ_AB_NO_SAN=1: no sanitizer runs, when the device time is short)
 echo "=== B memcheck (tiny) and racecheck (race), in parallel"
 ( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/check_fwd_b" tiny > "$OUTDIR/memcheck_b.log" 2>&1 ) &
