@@ -523,8 +523,9 @@ size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base, fq_fw
  * the sequence's rows of o: fq_omap) of equal chunk counts (the last may be
  * shorter); nseg_max depends on the head shape (HV, K, V) only, so a
  * sequence's split depends on its own length, the head shape and o's dtype,
- * never on the other sequences of the batch or on data. FQ_CP_SMS: the SM count the split is planned for (a constant, not
- * the device's: the same bits on every device). */
+ * never on the other sequences of the batch or on data. FQ_CP_SMS: the SM
+ * count the split is planned for (a constant, not the device's: the same bits
+ * on every device). */
 #ifndef FQ_CP_MIN_CHUNKS /* (a -D of a dev build may try another: dev/cuda/run_ab.sh) */
 #define FQ_CP_MIN_CHUNKS 8
 #endif

@@ -2,29 +2,25 @@
 
     python3 dev/cuda/prof_decode.py [N] [layout kv|vk] [T]
 
-N sequences x 32 value heads (16 q/k heads), K = V = 128, bf16 tokens, fp32 pool [N, HV, K, V]
-with state_indices = arange(N), as benchmarks/bench_gpu.py's decode rows; 5 calls (profile
-with --launch-skip 3 --launch-count 1)."""
+The inputs of benchmarks/bench_gpu.py's decode rows (its make_decode_inputs: 16/32 heads,
+K = V = 128, bf16 tokens, the anchor gates, an fp32 pool with state_indices = arange(N)) and
+its call; 5 calls (profile with --launch-skip 3 --launch-count 1)."""
+import os
 import sys
 
 import torch
 
-import flashqla
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+import bench_gpu as bg  # noqa: E402
+
+import flashqla  # noqa: E402
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 layout = sys.argv[2] if len(sys.argv) > 2 else "kv"
 T = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-H, HV, K = 16, 32, 128
-dev = "cuda"
-g = torch.Generator(device=dev).manual_seed(0)
-q = torch.nn.functional.normalize(torch.randn(N, T, H, K, generator=g, device=dev), dim=-1).bfloat16()
-k = torch.nn.functional.normalize(torch.randn(N, T, H, K, generator=g, device=dev), dim=-1).bfloat16()
-v = torch.randn(N, T, HV, K, generator=g, device=dev).bfloat16()
-gate = -torch.rand(N, T, HV, generator=g, device=dev) * 0.1
-beta = torch.rand(N, T, HV, generator=g, device=dev)
-pool = torch.randn(N, HV, K, K, generator=g, device=dev)
-idx = torch.arange(N, dtype=torch.int32, device=dev)
+t = bg.make_decode_inputs(16, 32, N, T, torch.Generator(device="cuda").manual_seed(0), layout=layout)
 for _ in range(5):
-    o = flashqla.gdn_recurrent(q, k, v, gate, beta, pool, state_indices=idx, scale=K ** -0.5, state_layout=layout)
+    o = flashqla.gdn_recurrent(t.q, t.k, t.v, t.g, t.beta, t.state, state_indices=t.indices, scale=t.scale,
+                               state_layout=layout)
 torch.cuda.synchronize()
 print("prof_decode: done", tuple(o.shape), layout)

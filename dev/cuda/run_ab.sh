@@ -12,8 +12,8 @@
 # the float64 reference, compute-sanitizer memcheck (tiny) and racecheck (race) of B,
 # the CTA timelines of A and B; a table of the per-row times (total, stage A, main
 # kernel) of both, last. Logs in $OUT. FQ_AB_NO_TL=1 leaves the timelines out, FQ_AB_NO_SAN=1
-# the sanitizers; a third
-# binary .devbin/check_fwd_c.xz (built by hand, e.g. B with another -D) is timed after B's.
+# the sanitizers; a third binary check_fwd_c.xz in the folder (built by hand, e.g. B with
+# another -D, or a branch on B's) is timed and quick-checked beside B.
 set -u
 MODE=${1:-run}
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -50,18 +50,14 @@ for k in 1 2; do
         timeout 120 "$BIN/check_fwd_$side" time > "$OUTDIR/time_${side}$k.log" 2>&1 || echo "time $side$k: exit $?"
     done
 done
-echo "=== B quick"
-timeout 150 "$BIN/check_fwd_b" quick > "$OUTDIR/quick_b.log" 2>&1; rc=$?
-grep -E "FAIL" "$OUTDIR/quick_b.log" | head -20
-echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_b.log") ok, $(grep -c FAIL "$OUTDIR/quick_b.log") FAIL lines)"
-grep -E "correctness:" "$OUTDIR/quick_b.log"
-if [ -x "$BIN/check_fwd_c" ]; then
-    echo "=== C quick"
-    timeout 150 "$BIN/check_fwd_c" quick > "$OUTDIR/quick_c.log" 2>&1; rc=$?
-    grep -E "FAIL" "$OUTDIR/quick_c.log" | head -20
-    echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_c.log") ok, $(grep -c FAIL "$OUTDIR/quick_c.log") FAIL lines)"
-    grep -E "correctness:" "$OUTDIR/quick_c.log"
-fi
+for side in ${SIDES#a }; do # (B's, and C's when there is one)
+    S=$(echo "$side" | tr a-z A-Z)
+    echo "=== $S quick"
+    timeout 150 "$BIN/check_fwd_$side" quick > "$OUTDIR/quick_$side.log" 2>&1; rc=$?
+    grep -E "FAIL" "$OUTDIR/quick_$side.log" | head -20
+    echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_$side.log") ok, $(grep -c FAIL "$OUTDIR/quick_$side.log") FAIL lines)"
+    grep -E "correctness:" "$OUTDIR/quick_$side.log"
+done
 if [ -z "${FQ_AB_NO_SAN:-}" ]; then # (FQ_AB_NO_SAN=1: no sanitizer runs, when the device time is short)
 echo "=== B memcheck (tiny) and racecheck (race), in parallel"
 ( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/check_fwd_b" tiny > "$OUTDIR/memcheck_b.log" 2>&1 ) &
@@ -78,11 +74,11 @@ for side in a b; do
     timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|seg|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
     cat "$OUTDIR/timeline_$side.log"
 done
-echo "=== the recurrent step (ms), runs A1 B1 A2 B2"
+echo "=== the recurrent step (ms), each run"
 for n in a1 b1 c1 a2 b2 c2; do
     [ -f "$OUTDIR/time_$n.log" ] && grep -h "recurrent N=" "$OUTDIR/time_$n.log" | sed "s/^ */$n /"
 done
-echo "=== per row (ms): total / stage A (inverse) / main kernel, runs A1 B1 A2 B2"
+echo "=== per row (ms): total / stage A (inverse) / main kernel, each run"
 python3 - "$OUTDIR" <<'PY'
 import os, sys
 d = sys.argv[1]
@@ -116,8 +112,8 @@ for s in shapes:
     cells = [" / ".join(f"{x:.3f}" for x in r.get(s, (0, 0, 0))) for _, r in runs]
     a = [r[s][0] for n, r in runs if n[0] == "a" and s in r]
     b = [r[s][0] for n, r in runs if n[0] == "b" and s in r]
-    c = [r[s][0] for n, r in runs if n[0] == "c" and s in r]
+    c3 = [r[s][0] for n, r in runs if n[0] == "c" and s in r]
     ratio = f"{min(b) / min(a):.3f}" if a and b else "-"
-    if a and c: ratio += f"  C/A {min(c) / min(a):.3f}"
-    print(f"{s:18s} " + " ".join(f"{c:>20s}" for c in cells) + f"   {ratio}")
+    if a and c3: ratio += f"  C/A {min(c3) / min(a):.3f}"
+    print(f"{s:18s} " + " ".join(f"{x:>20s}" for x in cells) + f"   {ratio}")
 PY
