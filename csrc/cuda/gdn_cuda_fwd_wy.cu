@@ -1363,31 +1363,37 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
      * columns only where c < f (a select: A's columns from f on are zeros even
      * where they overflowed). */
     {
+        /* piece p = tid + 128 i (i = 0, 1, 2; the third only for tid < 64): the
+         * loop unrolled, each piece's K-step known from i up to one compare,
+         * and each piece one 16-byte store */
+        static_assert(FQ_APACK_BYTES / 16 == 320, "A'' packed: 320 pieces of 16 bytes");
         fq_bf16 *ag = args.a + item * FQ_APACK_ELEMS;
 #pragma unroll
-        for (int p = tid; p < FQ_APACK_BYTES / 16; p += 128) {
-            const int kk = p < 128 ? 0 : p < 224 ? 1 : p < 288 ? 2 : 3;
+        for (int i = 0; i < 3; i++) {
+            const int p = tid + 128 * i;
+            if (i == 2 && p >= FQ_APACK_BYTES / 16) break;
+            const int kk = i == 0 ? 0 : i == 1 ? (p < 224 ? 1 : 2) : (p < 288 ? 2 : 3);
             const int q = p - fq_apack_step_bytes(kk) / 16;
             const int r = 16 * kk + 8 * (q >> 4) + (q & 7), c = 16 * kk + 8 * ((q >> 3) & 1);
-            uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
-            uint32_t *px = (uint32_t *)&x;
+            const uint4 x = *(const uint4 *)(Ab + r * SM::LDA + c);
+            const uint32_t px[4] = {x.x, x.y, x.z, x.w};
             const float4 b0 = *(const float4 *)(bet + c), b1 = *(const float4 *)(bet + c + 4);
             const float bc[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            uint32_t o[4];
             if (f == 64) { /* (block-uniform: no bad row, the common case) */
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const float2 y = fq_unpack_bf16(px[e]);
-                    px[e] = fq_pack_bf16(y.x * bc[2 * e], y.y * bc[2 * e + 1]);
+                    o[e] = fq_pack_bf16(y.x * bc[2 * e], y.y * bc[2 * e + 1]);
                 }
             } else {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const float2 y = fq_unpack_bf16(px[e]);
-                    px[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bc[2 * e] : 0.f,
-                                         c + 2 * e + 1 < f ? y.y * bc[2 * e + 1] : 0.f);
+                    o[e] = fq_pack_bf16(c + 2 * e < f ? y.x * bc[2 * e] : 0.f, c + 2 * e + 1 < f ? y.y * bc[2 * e + 1] : 0.f);
                 }
             }
-            *(uint4 *)(ag + 8 * p) = x;
+            *(uint4 *)(ag + 8 * p) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
     if (!SIDE && tid < 64) record_row(tid, f);
