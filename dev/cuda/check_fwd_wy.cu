@@ -152,7 +152,7 @@ static void run_case(const Case &c)
         CK(cudaMemset(ws.gamma, 0xff, ntile * 64 * 4));
         CK(cudaMemset(ws.kdecay, 0xff, ntile * 64 * 4));
         CK(cudaMemset(da, 0xff, ntile * 64 * 64 * 2));
-        fq_status st = ver ? fq_cuda_fwd_wy_persistent(&p, &ws, 0) : fq_cuda_fwd_wy_blocked(&p, &ws, 0);
+        fq_status st = ver ? fq_cuda_fwd_wy_persistent(&p, &ws, 1, 0) : fq_cuda_fwd_wy_blocked(&p, &ws, 0);
         CK(cudaDeviceSynchronize());
         if (st != FQ_OK) { printf("%s: v%d failed: %s\n", c.name, ver + 2, fq_last_error()); g_fail = 1; return; }
         res[ver][0] = dl_bf16(da, ntile * 64 * 64);
