@@ -5,7 +5,8 @@
  * Everything is recomputed from the inputs. In algorithm order:
  *
  *   0. fq_cuda_fwd_prepare   chunk table, bf16 q/k/v, inverse norms rq, rk
- *   1. fq_cuda_fwd_wy_recompute  gamma, A = (I+L)^-1 (kept for step 5), W, U
+ *   1. fq_cuda_fwd_wy_recompute  gamma, A = (I+L)^-1 (kept for step 5), W, and
+ *                            U only for the three-stage state pass below
  *                            (stage A, the persistent kernel)
  *   2. chunk-start states h (bf16) and Vn = U - W h: where the fused forward
  *      runs (sm_90a, K and V in {64, 128}), its kernel in mode HST
@@ -186,11 +187,15 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     if (st != FQ_OK) return st;
     fq_bwd_ws ws;
     fq_bwd_ws_layout(p, p->workspace, &ws);
-    /* 0-2. recompute the forward's chunk table, gamma, A, W, U, h, Vn */
+    /* 0-2. recompute the forward's chunk table, gamma, A, W, (U,) h, Vn. U
+     * only for the three-stage state pass: the fused chain forms Vn itself,
+     * so there step 1 loads no V tiles and forms no U (ws.f.u's memory is
+     * only dvl's, from step 3 on) */
+    const int fused_rc = fq_bwd_fused_recompute(p);
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
-    if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, !fused_rc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
-    if (fq_bwd_fused_recompute(p)) {
+    if (fused_rc) {
         /* the fused forward's chain: its workspace = the chunk table, norms and
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
         fq_fwd_ws fz = ws.f;

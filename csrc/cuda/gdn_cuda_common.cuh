@@ -583,8 +583,9 @@ fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
  * launches, never synchronises. */
 fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-/* Stage A as the backward's recompute runs it (the persistent kernel; see gdn_cuda_fwd_wy.cu). */
-fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+/* Stage A as the backward's recompute runs it (the persistent kernel; see gdn_cuda_fwd_wy.cu).
+ * with_u = 0: ws->u is not written (the fused recompute's chain forms Vn without U). */
+fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream);
 /* The two stage A kernels (same outputs): the blocked one (A = (I+L)^-1, one
  * block per chunk and value head; fq_cuda_fwd_wy runs it) and the persistent one (
  * double-buffered loads, recursive-doubling inverse; fq_cuda_fwd_wy_recompute
@@ -594,7 +595,7 @@ fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, 
  * there; the persistent one keeps it for the backward, scans g with its
  * non-finite values as 0 and stores W NaN from min(fl, first bad g row) on. */
 fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
-fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
+fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream);
 /* Stage B: writes ws->h, ws->vn and, when ht != NULL, ht [N, HV, K, V] fp32.
  * bv: state columns per block, 16, 32 or 64 (16 per warp or warp pair);
  * 0 picks by the number of 16-column chains vs SMs (always valid). */

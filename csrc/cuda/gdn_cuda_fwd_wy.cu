@@ -625,9 +625,10 @@ extern "C" fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd
  *           from shared memory as in the blocked kernel (other association order only).
  *           Scratch T: the blocks above the diagonal of Lf (never written by L).
  */
-template <int K, int V> struct fq_wy_persistent_smem {
+template <int K, int V, bool UO> struct fq_wy_persistent_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
-    static constexpr int kbytes = 64 * LDK * 2, vbytes = 64 * LDV * 2;
+    /* (UO = false: no U to form, so no V tiles either) */
+    static constexpr int kbytes = 64 * LDK * 2, vbytes = UO ? 64 * LDV * 2 : 0;
     static constexpr int off_k0 = 0;
     static constexpr int off_v0 = off_k0 + kbytes;
     static constexpr int off_k1 = off_v0 + vbytes;
@@ -658,14 +659,14 @@ static __device__ __forceinline__ void fq_wy_blk_product(float *out, float sign,
 
 /* K, V rows of chunk ci (value head j, q/k head hq) -> shared, asynchronously
  * (zeros past len). No commit. */
-template <int K, int V>
+template <int K, int V, bool UO>
 static __device__ __forceinline__ void fq_wy_issue_loads(const fq_wy_args &args, fq_chunk_info ci, int j, fq_bf16 *Ks,
                                                     fq_bf16 *Vs)
 {
-    typedef fq_wy_persistent_smem<K, V> SM;
+    typedef fq_wy_persistent_smem<K, V, UO> SM;
     const int tid = threadIdx.x, hq = j / (args.HV / args.H);
     fq_wy_load_rows<K, SM::LDK>(Ks, args.kb, args.H, hq, ci, tid);
-    fq_wy_load_rows<V, SM::LDV>(Vs, args.vb, args.HV, j, ci, tid);
+    if (UO) fq_wy_load_rows<V, SM::LDV>(Vs, args.vb, args.HV, j, ci, tid);
 }
 
 /* g, beta, rk of tokens lane and lane + 32 of chunk ci (zeros past len, or
@@ -682,13 +683,17 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
     return ci;
 }
 
-/* 2 blocks per SM by shared memory (K = V = 128: 106 KB); 1 at K = V = 256
- * (172 KB: four 33 KB tiles), up to 255 registers */
-template <int K, int V>
-__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? 1 : 2)
+/* UO: U formed (the backward's three-stage recompute, whose state pass reads
+ * it). Without U (the backward's fused recompute, whose chain forms Vn
+ * itself) no V tile is loaded either: V only ever enters U and U's cut
+ * (f = min(fl, fv) below; gamma, kdecay, A and W never depend on fv). Blocks
+ * per SM by shared memory: with U 2 (K = V = 128: 106 KB), 1 at K = V = 256
+ * (172 KB: four 33 KB tiles); without U 3 (71 KB), 2 at 256 (101 KB). */
+template <int K, int V, bool UO>
+__global__ void __launch_bounds__(128, (K > 128 || V > 128) ? (UO ? 1 : 2) : (UO ? 2 : 3))
 fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
 {
-    typedef fq_wy_persistent_smem<K, V> SM;
+    typedef fq_wy_persistent_smem<K, V, UO> SM;
     constexpr int LDF = FQ_WY_LDF;
     extern __shared__ __align__(16) unsigned char smem[];
     float *Lf = (float *)(smem + SM::off_l);
@@ -713,7 +718,7 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
     fq_chunk_info ci = fq_wy_item_chunk(args, it, items);
     fq_chunk_info cn = fq_wy_item_chunk(args, it + stride, items);
     if (ci.seq >= 0)
-        fq_wy_issue_loads<K, V>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
+        fq_wy_issue_loads<K, V, UO>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
     if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
@@ -730,7 +735,7 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
         int *sfi = sf + 2 * buf;
         if (tid == 0) sf[2 * (buf ^ 1)] = sf[2 * (buf ^ 1) + 1] = 64; /* the next item's slot */
         if (cn.seq >= 0)
-            fq_wy_issue_loads<K, V>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
+            fq_wy_issue_loads<K, V, UO>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
         fq_cp_async_commit();
 
@@ -744,7 +749,7 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
             fq_wy_gates(args, cn, (int)(nit % HV), gv, bv, rv);
         }
         fq_cp_async_wait<1>(); /* this item's group (all but the newest) */
-        if (ci.seq >= 0) fq_wy_scan_rows<V, SM::LDV>(Vs, tid, sfi + 1); /* this thread's own V pieces */
+        if (UO && ci.seq >= 0) fq_wy_scan_rows<V, SM::LDV>(Vs, tid, sfi + 1); /* this thread's own V pieces */
         __syncthreads();
 
         if (ci.seq >= 0) { /* block-uniform */
@@ -789,17 +794,18 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
 #undef FQ_WY3_BLK
             __syncthreads();
 
-            /* causality, rare: K rows, fw from fl on; V rows, beta from f on (as blocked) */
+            /* causality, rare: K rows, fw from fl on; V rows, beta from f on (as blocked;
+             * without U fv stays 64: f = fl) */
             const int fl = sfi[0], f = min(fl, sfi[1]);
             if (f < 64) {
                 fq_wy_cut<K, SM::LDK>(Ks, fw, fl, tid);
-                fq_wy_cut<V, SM::LDV>(Vs, bet, f, tid);
+                if (UO) fq_wy_cut<V, SM::LDV>(Vs, bet, f, tid);
                 __syncthreads();
             }
             /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as blocked) */
             const int64_t tile = it * 64; /* (chunk * HV + j) * 64 */
             fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
-            fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
+            if (UO) fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
             fq_wy_store(args, tile, Af, gam, rkv, ci.len, f, tid);
             /* causality, rare: W's rows from min(fl, tg) on to NaN (the header) */
             const int fwn = min(fl, sf[4]);
@@ -814,38 +820,44 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
 
-template <int K, int V>
+template <int K, int V, bool UO>
 static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, cudaStream_t stream)
 {
-    int bytes = fq_wy_persistent_smem<K, V>::bytes;
+    int bytes = fq_wy_persistent_smem<K, V, UO>::bytes;
     int dev = 0, sms = 0, per_sm = 0, optin = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     if (optin < bytes) return fq_launch_wy_blocked<K, V>(args, items, stream); /* small-smem GPUs: the blocked kernel */
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_persistent_kernel<K, V>, bytes);
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_persistent_kernel<K, V, UO>, bytes);
     if (st != FQ_OK) return st;
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy_persistent_kernel<K, V>, 128, bytes));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy_persistent_kernel<K, V, UO>, 128, bytes));
     if (per_sm < 1) per_sm = 1;
     int64_t blocks = (int64_t)sms * per_sm;
     if (blocks > items) blocks = items;
     if (blocks < 1) blocks = 1;
-    fq_fwd_wy_persistent_kernel<K, V><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
+    fq_fwd_wy_persistent_kernel<K, V, UO><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
 
-extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+template <bool UO>
+static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, cudaStream_t stream)
+{
+    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128, UO>(args, items, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64, UO>(args, items, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128, UO>(args, items, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64, UO>(args, items, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256, UO>(args, items, stream); /* issue 7 item 4 */
+    return fq_cuda_head_dims_unsupported(p);
+}
+
+extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream)
 {
     int64_t items = ws->nc_max * p->HV;
     if (items <= 0) return FQ_OK;
     const fq_wy_args args = fq_wy_args_of(p, ws);
-    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128>(args, items, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64>(args, items, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128>(args, items, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64>(args, items, stream);
-    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256>(args, items, stream); /* issue 7 item 4 */
-    return fq_cuda_head_dims_unsupported(p);
+    return with_u ? fq_wy_persistent_dims<true>(p, args, items, stream) : fq_wy_persistent_dims<false>(p, args, items, stream);
 }
 
 /* ------------------------------------------------------------- inverse ----
@@ -1600,8 +1612,8 @@ extern "C" fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws,
 
 /* The backward's recompute runs the persistent kernel: the backward rows of
  * benchmarks/results were measured with it; the blocked one there is not. */
-extern "C" fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws,
+extern "C" fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u,
                                               cudaStream_t stream)
 {
-    return fq_cuda_fwd_wy_persistent(p, ws, stream);
+    return fq_cuda_fwd_wy_persistent(p, ws, with_u, stream);
 }
