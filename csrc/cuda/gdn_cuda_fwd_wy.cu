@@ -627,7 +627,8 @@ extern "C" fq_status fq_cuda_fwd_wy_blocked(const fq_gdn_params *p, const fq_fwd
  */
 template <int K, int V, bool UO> struct fq_wy_persistent_smem {
     static constexpr int LDK = K + 8, LDV = V + 8;
-    /* (UO = false: no U to form, so no V tiles either) */
+    /* (UO = false: no U to form, so no V tiles either: off_v0 / off_v1 then
+     * coincide with the next K tile and are never dereferenced) */
     static constexpr int kbytes = 64 * LDK * 2, vbytes = UO ? 64 * LDV * 2 : 0;
     static constexpr int off_k0 = 0;
     static constexpr int off_v0 = off_k0 + kbytes;
@@ -687,8 +688,8 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
  * it). Without U (the backward's fused recompute, whose chain forms Vn
  * itself) no V tile is loaded either: V only ever enters U and U's cut
  * (f = min(fl, fv) below; gamma, kdecay, A and W never depend on fv). Blocks
- * per SM by shared memory: with U 2 (K = V = 128: 106 KB), 1 at K = V = 256
- * (172 KB: four 33 KB tiles); without U 3 (71 KB), 2 at 256 (101 KB). */
+ * per SM by shared memory: with U 2 (K = V = 128: 105 KB), 1 at K = V = 256
+ * (169 KB: four 33 KB tiles); without U 3 (71 KB), 2 at 256 (103 KB). */
 template <int K, int V, bool UO>
 __global__ void __launch_bounds__(128, (K > 128 || V > 128) ? (UO ? 1 : 2) : (UO ? 2 : 3))
 fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
