@@ -144,6 +144,53 @@ def test_cuda_stage_a_beside_the_state_pass_matches_reference_and_the_batched_bi
     assert torch.equal(bits(ht1[0]), bits(ht2[1]))
 
 
+def test_cuda_paired_ctas_match_reference_and_the_bits_of_a_sequence_alone():
+    # issue 7: where the fused forward's CTAs (one per value head and 64 state
+    # columns) would need more than one wave, one CTA takes both column blocks of
+    # its value head (two chains sharing Q, K, A'' and P: fq_fwd_pair). A sequence
+    # alone (64 CTAs at HV = 32) and packed between two others (192: paired) give
+    # the same bits, both against the float64 reference; a NaN in one v column of
+    # the batch changes only its value head's block of 64 columns, from its token on.
+    H, HV, K, T = 16, 32, 128, 300
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 3 * HV * (K // 64):
+        pytest.skip("one wave holds the unpaired CTAs on this GPU")
+    _, t = _inputs(_case(1, T, H, HV, K, K))
+    o1, ht1 = c_chunk_fwd(t)
+    torch.cuda.synchronize()
+    ref = reference_of(t, grads=False)
+    assert_close("o", o1, ref["o"], gpu_tol("o"))
+    assert_close("final_state", ht1, ref["ht"], gpu_tol("ht"))
+    lead = 200
+    _, tb = _inputs(_case(1, 0, H, HV, K, K, seqlens=[lead, T, 250]), seed=5)
+    for n in ("q", "k", "v", "g", "beta"):
+        tb[n][:, lead:lead + T] = t[n]
+    tb["h0"][1] = t["h0"][0]
+    o2, ht2 = c_chunk_fwd(tb)
+    torch.cuda.synchronize()
+    refb = reference_of(tb, grads=False)
+    assert_close("o (batch)", o2, refb["o"], gpu_tol("o"))
+    assert_close("final_state (batch)", ht2, refb["ht"], gpu_tol("ht"))
+
+    def bits(x):
+        return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+    assert torch.equal(bits(o1[0]), bits(o2[0, lead:lead + T]))
+    assert torch.equal(bits(ht1[0]), bits(ht2[1]))
+    tok, col = 150, 70  # value head 0, column block 1
+    tn = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in tb.items()}
+    tn["v"][0, lead + tok, 0, col] = float("nan")
+    o3, ht3 = c_chunk_fwd(tn)
+    torch.cuda.synchronize()
+    hit = torch.zeros(o3.shape, dtype=torch.bool, device=o3.device)
+    hit[0, lead + tok:lead + T, 0, 64:] = True
+    assert torch.equal(bits(o3)[~hit], bits(o2)[~hit]), "a bit outside the NaN's block and tokens changed"
+    assert torch.isnan(o3[0, lead + tok:lead + T, 0, 64:]).any(dim=-1).all(), "a finite row of the NaN's block after it"
+    hs = torch.zeros(ht3.shape, dtype=torch.bool, device=ht3.device)
+    hs[1, 0, :, 64:] = True
+    assert torch.equal(bits(ht3)[~hs], bits(ht2)[~hs])
+    assert torch.isnan(ht3[1, 0, :, 64:]).any()
+
+
 def test_cuda_matches_cpu_backend_fp32():
     """The same float32 inputs on both backends agree to the GPU budget."""
     inp, t = _inputs(_case(1, 500, 2, 4, 128, 128, dtype="float32", seqlens=[100, 400]))

@@ -140,12 +140,14 @@ extern "C" int fq_cuda_fwd_fused_available(const fq_gdn_params *p)
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
     if (per_dev[dev] == 0) {
         int major = 0;
-        const void *ks[4] = {(const void *)fq_fwd_fused_kernel<64, FQ_FUSED_FULL>,
+        const void *ks[6] = {(const void *)fq_fwd_fused_kernel<64, FQ_FUSED_FULL>,
                              (const void *)fq_fwd_fused_kernel<128, FQ_FUSED_FULL>,
                              (const void *)fq_fwd_fused_kernel<64, FQ_FUSED_MAP>,
-                             (const void *)fq_fwd_fused_kernel<128, FQ_FUSED_MAP>};
+                             (const void *)fq_fwd_fused_kernel<128, FQ_FUSED_MAP>,
+                             (const void *)fq_fwd_fused_kernel<64, FQ_FUSED_PAIR>,
+                             (const void *)fq_fwd_fused_kernel<128, FQ_FUSED_PAIR>};
         int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major == 9;
-        for (int i = 0; ok && i < 4; i++) {
+        for (int i = 0; ok && i < 6; i++) {
             cudaFuncAttributes fa;
             ok = cudaFuncGetAttributes(&fa, ks[i]) == cudaSuccess && fa.ptxVersion >= 90;
         }
@@ -166,6 +168,30 @@ fq_status fq_fwd_fused_cp(const fq_gdn_params *p, const fq_fwd_ws *ws, const fq_
     return fq_cp_combine_launch<0>(p, ws, (const float *)(p->state ? p->state : p->h0), stream);
 }
 
+/* The FULL pass as PAIR CTAs (both column blocks of a value head in one CTA,
+ * its two chains sharing the stage's Q, K, A'' and record and the output
+ * warpgroup's P) where V = 128 and FULL's CTAs (one per column block) would
+ * not fit in one wave on this GPU: there the SMs are all busy, and one PAIR
+ * CTA keeps the tensor pipe busier than a FULL CTA, whose chain's dependent
+ * steps leave it idle about half of each chunk. Where FULL fits in one wave
+ * its CTAs (twice as many, each with half the work) finish sooner. The bits
+ * are FULL's either way (the same arithmetic per column block), so the
+ * choice, from shapes only, never changes a sequence's outputs. FQ_PAIR=0 (a
+ * -D of a dev build) turns it off for A/B runs. */
+#ifndef FQ_PAIR
+#define FQ_PAIR 1
+#endif
+static int fq_fwd_pair(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside)
+{
+    if (!FQ_PAIR || beside || p->V != 128) return 0;
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return ws->seg_bound * p->HV * (p->V / 64) > sms;
+}
+
 template <int K>
 static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside, cudaStream_t stream)
 {
@@ -174,6 +200,7 @@ static fq_status fq_fwd_fused_k(const fq_gdn_params *p, const fq_fwd_ws *ws, int
     fq_fused_maps m;
     if ((st = fq_fused_maps_of<K>(p, ws, &m)) != FQ_OK) return st;
     if ((st = fq_fwd_fused_cp(p, ws, m, stream)) != FQ_OK) return st;
+    if (fq_fwd_pair(p, ws, beside)) return fq_launch_fused<K, FQ_FUSED_PAIR>(p, ws, m, NULL, stream);
     return fq_launch_fused<K, FQ_FUSED_FULL>(p, ws, m, beside ? ws->ready : NULL, stream);
 }
 

@@ -83,41 +83,55 @@
 #define FQ_FUSED_MAP 1  /* only the segment's affine state map [M | D] (context parallelism) */
 #define FQ_FUSED_HST 2  /* the backward's recompute: no o; each chunk's start state h (bf16 [K][V])
                            and Vn (bf16 [64][V]) to the three-stage workspace layout (gdn_cuda_bwd.cu) */
+#define FQ_FUSED_PAIR 3 /* FULL for both column blocks of a value head (V = 128) in one CTA: two
+                           chain warpgroups share the stage's Q, K, A'' and record, the output
+                           warpgroup's P; chosen when FULL's CTAs would need more than one wave */
 
-/* Shared memory of one CTA. Per stage: Q (K/64 tiles), K (K/64 tiles), V,
- * A''. Then, exchanged between the chain and the output warpgroup, double
- * buffered by chunk parity: S^T at a chunk's start (bf16 [v][kd], K/64
- * tiles) and Vn^T (bf16 [v][r]); the O staging (fp32: 64 rows of 68); the
- * barriers and the stages' gate records (FQ_REC_*). MAP has no Q tiles, no
- * exchange buffers and no staging (no output warpgroup): ~103 KB at K = 128,
- * two CTAs per SM. */
+/* Shared memory of one CTA. Per stage: Q (K/64 tiles), K (K/64 tiles), V
+ * (NH tiles: one per chain), A''. Then, exchanged between each chain and the
+ * output warpgroup, SBN / VNN buffers by chunk: S^T at a chunk's start (bf16
+ * [v][kd], K/64 tiles) and Vn^T (bf16 [v][r]); the O staging per chain (fp32:
+ * 64 rows of 68); the barriers, the checker's words and the stages' gate
+ * records (FQ_REC_*). MAP has no Q tiles, no exchange buffers and no staging
+ * (no output warpgroup): ~103 KB at K = 128, two CTAs per SM. PAIR (two
+ * chains): 56 KB stages, two of them at K = 128 (three at K = 64), one S^T
+ * buffer per chain (the chain hands S_{i+1} over a whole chunk after the
+ * output warpgroup's Q S_i has read S_i): ~219 KB at K = 128. */
 template <int K, int MODE> struct fq_fused_smem {
     static constexpr int KT = K / 64;
+    static constexpr int PAIR = MODE == FQ_FUSED_PAIR;
+    static constexpr int NH = PAIR ? 2 : 1;                  /* chains (column blocks of 64) per CTA */
+    static constexpr int NS = PAIR && K == 128 ? 2 : FQ_FUSED_STAGES; /* stages */
+    static constexpr int SBN = PAIR ? 1 : 2;                 /* S^T buffers per chain */
+    static constexpr int VNN = 2;                            /* Vn^T buffers per chain */
     static constexpr int QT = MODE == FQ_FUSED_MAP ? 0 : KT; /* Q tiles per stage */
     static constexpr int XB = MODE == FQ_FUSED_MAP ? 0 : 1;  /* 1: the exchange buffers and the staging */
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + QT * FQ_TILE;
     static constexpr int off_v = off_k + KT * FQ_TILE;
-    static constexpr int off_a = off_v + FQ_TILE;      /* A'' dense, no swizzle (gdn_cuda_common.cuh) */
+    static constexpr int off_a = off_v + NH * FQ_TILE; /* A'' dense, no swizzle (gdn_cuda_common.cuh) */
     static constexpr int stage = off_a + FQ_TILE;
-    static constexpr int off_sb = FQ_FUSED_STAGES * stage;        /* 2 x S^T */
-    static constexpr int off_vn = off_sb + XB * 2 * KT * FQ_TILE; /* 2 x Vn^T */
-    static constexpr int off_o = off_vn + XB * 2 * FQ_TILE;       /* the O staging */
-    static constexpr int off_bar = off_o + XB * 64 * 68 * 4;
-    /* per stage: full, empty, checked; per buffer: sb_full, sb_empty, vn_full, vn_empty */
-    static constexpr int nbar = 3 * FQ_FUSED_STAGES + 8;
-    static constexpr int off_chk = off_bar + (nbar * 8 + 15) / 16 * 16;            /* per stage: an int */
-    static constexpr int off_rec = off_chk + (FQ_FUSED_STAGES * 4 + 15) / 16 * 16; /* per stage: the gate record */
+    static constexpr int off_sb = NS * stage;                       /* NH x SBN x S^T */
+    static constexpr int off_vn = off_sb + XB * NH * SBN * KT * FQ_TILE; /* NH x VNN x Vn^T */
+    static constexpr int off_o = off_vn + XB * NH * VNN * FQ_TILE;  /* NH x the O staging */
+    static constexpr int o_bytes = 64 * 68 * 4;                     /* (17 KB: keeps 1024-byte alignment) */
+    static constexpr int off_bar = off_o + XB * NH * o_bytes;
+    /* per stage: full, empty, checked; per chain and buffer: sb_full, sb_empty, vn_full, vn_empty */
+    static constexpr int nbar = 3 * NS + 2 * NH * (SBN + VNN);
+    /* per stage and chain: the checker's row minimum, and (PAIR) the chain's first non-finite V row */
+    static constexpr int off_chk = off_bar + (nbar * 8 + 15) / 16 * 16;
+    static constexpr int off_rec = off_chk + (2 * NS * NH * 4 + 15) / 16 * 16; /* per stage: the gate record */
     static constexpr int rec_bytes = FQ_REC_FLOATS * 4;
-    static constexpr int bytes = off_rec + FQ_FUSED_STAGES * rec_bytes + 1024; /* + alignment slack */
-    static constexpr uint32_t load_bytes = (2 * KT + 1) * FQ_TILE + FQ_APACK_BYTES + rec_bytes;
-    static_assert(stage % 1024 == 0 && off_o % 1024 == 0, "tiles keep their 1024-byte alignment");
+    static constexpr int bytes = off_rec + NS * rec_bytes + 1024; /* + alignment slack */
+    static constexpr uint32_t load_bytes = (2 * KT + NH) * FQ_TILE + FQ_APACK_BYTES + rec_bytes;
+    static_assert(stage % 1024 == 0 && off_o % 1024 == 0 && o_bytes % 1024 == 0, "tiles keep their 1024-byte alignment");
     static_assert(MODE != FQ_FUSED_MAP || 2 * (bytes + 1024) <= 228 * 1024, "MAP: two CTAs per SM");
+    static_assert(bytes <= 227 * 1024, "one CTA per SM");
 };
 
 /* Threads per CTA: producer, output and chain warpgroups (MAP: producer and
- * chain; its CTAs two per SM, fq_fwd_fused_kernel) */
-#define FQ_FUSED_THREADS(MODE) ((MODE) == FQ_FUSED_MAP ? 256 : 384)
+ * chain; its CTAs two per SM, fq_fwd_fused_kernel; PAIR: two chains) */
+#define FQ_FUSED_THREADS(MODE) ((MODE) == FQ_FUSED_MAP ? 256 : (MODE) == FQ_FUSED_PAIR ? 512 : 384)
 
 struct fq_fused_args {
     const fq_seg_info *segs;
@@ -221,6 +235,111 @@ static __device__ __forceinline__ void fq_hst_transpose4(const unsigned char *sr
     fq_stsm_x4(fq_smem_u32(dst + fq_sw128(8 * cb + l8, 16 * vb8)), x[0], x[1], x[2], x[3]);
 }
 
+/* The output warpgroup's P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk)
+ * as bf16 A fragments pf of P Vn, P0 = Q K^T from the wgmma group before the
+ * last one committed (waited for here, after the record's loads); qr: the
+ * lane's rows' qg = scale e^gamma rq (rows 16 w + g + 8 h). */
+static __device__ __forceinline__ void fq_out_gate_p(uint32_t (&pf)[4][4], float (&qr)[2], float (&pacc)[32],
+                                                     const float *rec, int w, int g, int t)
+{
+    float gc[16], rkc[16], gr[2], pr[2];
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++) {
+        const float2 gg = *(const float2 *)(rec + FQ_REC_G2 + 8 * nb + 2 * t);
+        const float2 rr = *(const float2 *)(rec + FQ_REC_RK + 8 * nb + 2 * t);
+        gc[2 * nb] = gg.x, gc[2 * nb + 1] = gg.y;
+        rkc[2 * nb] = rr.x, rkc[2 * nb + 1] = rr.y;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        gr[h] = rec[FQ_REC_G2 + 16 * w + g + 8 * h];
+        pr[h] = rec[FQ_REC_PRQ + 16 * w + g + 8 * h];
+        qr[h] = rec[FQ_REC_QG + 16 * w + g + 8 * h];
+    }
+    fq_wgmma_wait<1>();
+    fq_reg_fence(pacc);
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1, r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t + (e & 1);
+            pacc[4 * nb + e] = c <= r ? pacc[4 * nb + e] * pr[h] * rkc[2 * nb + (e & 1)] *
+                                            exp2f(gr[h] - gc[2 * nb + (e & 1)])
+                                      : 0.f;
+        }
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) fq_acc_to_a(pf[kk], &pacc[8 * kk], 1.f);
+}
+
+/* The output warpgroup's O (accumulators: rows 16 w + g + 8 h, columns
+ * 8 nb + 2 t + e) to o's rows row0 + r, r < len, columns 64 vb.., through the
+ * staging tile Os: 16-bit pairs by stmatrix into SWIZZLE_128B rows, then a
+ * TMA store (a full chunk, o_tma) or per-thread 16-byte copies; fp32 by
+ * float2 stores into rows of 68 and per-thread float4 copies. The staging is
+ * free once the bulk store that last read it has: WAITN later store groups
+ * (of other staging tiles) may still be pending. */
+template <int WAITN>
+static __device__ __forceinline__ void fq_out_store(const float (&oacc)[32], unsigned char *Os, const fq_fused_args &args,
+                                                    const CUtensorMap *tm_o, int vb, int j, int row0, int len, int tp,
+                                                    int w, int g, int t)
+{
+    if (tp == 0) fq_bulk_wait_read<WAITN>();
+    fq_named_bar(3, 128);
+    if (args.odt != FQ_F32) {
+        /* 16-bit: O [r][v] pairs by stmatrix, SWIZZLE_128B rows */
+        const int is_bf16 = args.odt == FQ_BF16;
+#pragma unroll
+        for (int nb2 = 0; nb2 < 4; nb2++) {
+            uint32_t pk[4];
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int ix = 4 * (2 * nb2 + (m >> 1)) + 2 * (m & 1);
+                if (is_bf16) {
+                    pk[m] = fq_pack_bf16(oacc[ix], oacc[ix + 1]);
+                } else {
+                    __half2 hx = __floats2half2_rn(oacc[ix], oacc[ix + 1]);
+                    pk[m] = *(uint32_t *)&hx;
+                }
+            }
+            fq_stsm_pairs(Os, w, 2 * nb2, pk[0], pk[1], pk[2], pk[3]);
+        }
+        if (len == 64 && args.o_tma) {
+            /* one thread stores the tile (TMA); its read is waited for before the next chunk's staging */
+            fq_fence_async_smem();
+            fq_named_bar(3, 128);
+            if (tp == 0) {
+                fq_tma_store_3d(tm_o, Os, 64 * vb, j, row0);
+                fq_bulk_commit();
+            }
+        } else {
+            fq_named_bar(3, 128);
+            uint16_t *orow = (uint16_t *)args.o + ((int64_t)row0 * args.HV + j) * args.V + 64 * vb;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int piece = tp + 128 * q, r = piece >> 3, c8 = piece & 7;
+                if (r < len)
+                    *(uint4 *)(orow + (int64_t)r * args.HV * args.V + 8 * c8) = *(const uint4 *)(Os + fq_sw128(r, 16 * c8));
+            }
+        }
+    } else {
+        float *Us = (float *)Os;
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + g + 8 * h, v = 8 * nb + 2 * t;
+                *(float2 *)fq_f32_tile(Us, r, v) = make_float2(oacc[4 * nb + 2 * h], oacc[4 * nb + 2 * h + 1]);
+            }
+        fq_named_bar(3, 128);
+        float *orow = (float *)args.o + ((int64_t)row0 * args.HV + j) * args.V + 64 * vb;
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const int piece = tp + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
+            if (r < len) *(float4 *)(orow + (int64_t)r * args.HV * args.V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
+        }
+    }
+}
+
 /* A descriptor moved by `bytes` (a multiple of 16): the start address is the
  * low 14-bit field, and no tile crosses 256 KB, so the field cannot carry. */
 static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes)
@@ -238,7 +357,8 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
 {
 #if FQ_SM90A
     typedef fq_fused_smem<K, MODE> SM;
-    constexpr int KT = SM::KT;
+    constexpr int KT = SM::KT, NS = SM::NS, NH = SM::NH, SBN = SM::SBN, VNN = SM::VNN;
+    constexpr int PAIR = SM::PAIR;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     /* 1024-byte alignment for the SWIZZLE_128B tiles, by offset (the pointer
      * stays a shared-memory one: plain STS/LDS, not generic accesses) */
@@ -246,16 +366,19 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
     /* full: the stage's loads landed; empty: the chain and the output
      * warpgroup are done with the stage */
     uint64_t *full = (uint64_t *)(smem + SM::off_bar);
-    uint64_t *empty = full + FQ_FUSED_STAGES;
+    uint64_t *empty = full + NS;
     /* checked: the stage's tiles final (issue 9: V rows checked, the record
      * poisoned where they are not finite, the rows that enter nothing
      * zeroed); chk: the checker's row minimum per stage */
-    uint64_t *checked = empty + FQ_FUSED_STAGES;
-    /* per buffer b = chunk & 1: S^T of the chunk's start / its Vn^T written
-     * (chain), read (output warpgroup) */
-    uint64_t *sb_full = checked + FQ_FUSED_STAGES, *sb_empty = sb_full + 2;
-    uint64_t *vn_full = sb_empty + 2, *vn_empty = vn_full + 2;
-    int *chk = (int *)(smem + SM::off_chk);
+    uint64_t *checked = empty + NS;
+    /* per chain h and buffer b (chunk i: b = i % SBN, i % VNN): S^T of the
+     * chunk's start / its Vn^T written (chain), read (output warpgroup), at
+     * [h * SBN + b], [h * VNN + b] */
+    uint64_t *sb_full = checked + NS, *sb_empty = sb_full + NH * SBN;
+    uint64_t *vn_full = sb_empty + NH * SBN, *vn_empty = vn_full + NH * VNN;
+    /* chk[s * NH + h]: the checker's scratch; PAIR: fvc[s * NH + h], chain h's first
+     * non-finite V row in stage s (64: none), for the chain and the output warpgroup */
+    int *chk = (int *)(smem + SM::off_chk), *fvc = chk + NS * NH;
 
     constexpr int MAP = MODE == FQ_FUSED_MAP;
     constexpr int HST = MODE == FQ_FUSED_HST; /* (the chain as in FULL; no Q, no o) */
@@ -263,12 +386,14 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
     const int cb = blockIdx.x % ncb, j = (blockIdx.x / ncb) % HV, gs = blockIdx.x / (ncb * HV);
     const int hq = j / (HV / args.H);
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int role = MAP && wg == 1 ? 2 : wg; /* 0 producer, 1 output, 2 chain (MAP: no output warpgroup) */
+    /* 0 producer, 1 output, 2 chain (MAP: no output warpgroup; PAIR: warpgroups 2 and 3 the chains
+     * of column blocks 0 and 1) */
+    const int role = MAP ? 2 * wg : wg > 2 ? 2 : wg;
     /* MAP: column blocks cb < K/64 are the columns of M (v = 0, start = the
      * identity), the others those of D (start = 0); vb: this CTA's block of
      * V's columns (none for an M block) */
     const int mblk = MAP && cb < KT;
-    const int vb = MAP ? cb - KT : cb;
+    const int vb = MAP ? cb - KT : cb + (PAIR && wg >= 2 ? wg - 2 : 0); /* (PAIR: the chain's block) */
     if (tid == 0) {
         FQ_TL(0);
 #ifdef FQ_FUSED_TIMELINE
@@ -277,17 +402,19 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
     }
 
     if (tid == 0) {
-        for (int s = 0; s < FQ_FUSED_STAGES; s++) {
+        for (int s = 0; s < NS; s++) {
             /* full: the producer's one arrival plus the TMA bytes; the others:
              * every thread of the warpgroup arrives after its own accesses */
             fq_mbar_init(&full[s], 1);
-            fq_mbar_init(&empty[s], MAP ? 128 : 256); /* (the chain and the output warpgroup) */
+            fq_mbar_init(&empty[s], MAP ? 128 : 128 * (NH + 1)); /* (the chains and the output warpgroup) */
             fq_mbar_init(&checked[s], 96);
-            chk[s] = 64;
+            for (int h = 0; h < NH; h++) chk[s * NH + h] = 64;
         }
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < NH * SBN; b++) {
             fq_mbar_init(&sb_full[b], 128);
             fq_mbar_init(&sb_empty[b], 128);
+        }
+        for (int b = 0; b < NH * VNN; b++) {
             fq_mbar_init(&vn_full[b], 128);
             fq_mbar_init(&vn_empty[b], 128);
         }
@@ -299,7 +426,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
     /* the blocks above the diagonal in every stage's A'' tile (K-step kk's first
      * 512 kk bytes, kk = 1..3: 192 pieces of 16 bytes per stage), zeroed once:
      * the copies never write them */
-    for (int idx = tid; idx < FQ_FUSED_STAGES * 192; idx += blockDim.x) {
+    for (int idx = tid; idx < NS * 192; idx += blockDim.x) {
         const int s = idx / 192, q = idx % 192, kk = q < 32 ? 1 : q < 96 ? 2 : 3;
         const int e = q - (kk == 1 ? 0 : kk == 2 ? 32 : 96);
         *(uint4 *)(smem + s * SM::stage + SM::off_a + 2048 * kk + 16 * e) = make_uint4(0, 0, 0, 0);
@@ -325,8 +452,8 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         fq_setmaxnreg_dec40();
         if (tid == 0) {
             for (int i = 0; i < nch; i++) {
-                const int s = i % FQ_FUSED_STAGES;
-                if (i >= FQ_FUSED_STAGES) fq_mbar_wait(&empty[s], ((i / FQ_FUSED_STAGES) - 1) & 1);
+                const int s = i % NS;
+                if (i >= NS) fq_mbar_wait(&empty[s], ((i / NS) - 1) & 1);
                 unsigned char *st = smem + s * SM::stage;
                 const int row = si.bos + 64 * i;
                 if (!MAP && ready) {
@@ -347,7 +474,9 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                     if (!MAP && !HST) fq_tma_load_3d(st + SM::off_q + kt * FQ_TILE, &tm_q, &full[s], 64 * kt, hq, row);
                     fq_tma_load_3d(st + SM::off_k + kt * FQ_TILE, &tm_k, &full[s], 64 * kt, hq, row);
                 }
-                if (!mblk) fq_tma_load_3d(st + SM::off_v, &tm_v, &full[s], 64 * vb, j, row);
+#pragma unroll
+                for (int h = 0; h < NH; h++) /* (PAIR: vb = 0, the chains' blocks 0 and 1) */
+                    if (!mblk) fq_tma_load_3d(st + SM::off_v + h * FQ_TILE, &tm_v, &full[s], 64 * (vb + h), j, row);
                 /* A'': each K-step's stored rows (r >= 16 kk) to their place in the tile */
                 for (int kk = 0; kk < 4; kk++)
                     fq_bulk_load(st + SM::off_a + 2048 * kk + 512 * kk,
@@ -372,11 +501,59 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
              * chunks ahead. */
             const int tk = tid - 32, lane = tid & 31;
             for (int i = 0; i < nch; i++) {
-                const int s = i % FQ_FUSED_STAGES;
-                fq_mbar_wait(&full[s], (i / FQ_FUSED_STAGES) & 1);
+                const int s = i % NS;
+                fq_mbar_wait(&full[s], (i / NS) & 1);
                 unsigned char *st = smem + s * SM::stage;
                 float *rec = (float *)(smem + SM::off_rec + s * SM::rec_bytes);
                 const int len = min(64, si.len - 64 * i);
+                if constexpr (PAIR) {
+                    /* per chain h (its V tile): fv_h = its first non-finite V row, to
+                     * fvc for the chain (e^{gamma_C} = NaN) and the output warpgroup
+                     * (qg = NaN from row fv_h on): the record and the Q, K tiles are
+                     * shared, so they are not poisoned here, and Q, K rows are zeroed
+                     * from zq = min(len, f) on only, V rows of chain h from
+                     * min(zq, fv_h) on. Rows before fv_h get the bits FULL gives them
+                     * (Q, K rows from fv_h on enter only rows from fv_h on); the rows
+                     * from fv_h on are NaN, as there. */
+                    int bad0 = 64, bad1 = 64;
+                    for (int idx = tk; idx < 16 * len; idx += 96) {
+                        const int hh = idx >= 8 * len, q = idx - 8 * len * hh;
+                        if (fq_bf16x8_nonfinite(*(const uint4 *)(st + SM::off_v + hh * FQ_TILE + 16 * q))) {
+                            if (hh) bad1 = min(bad1, q >> 3);
+                            else bad0 = min(bad0, q >> 3);
+                        }
+                    }
+                    bad0 = __reduce_min_sync(0xffffffffu, bad0);
+                    bad1 = __reduce_min_sync(0xffffffffu, bad1);
+                    if (lane == 0 && bad0 < 64) atomicMin(&chk[2 * s], bad0);
+                    if (lane == 0 && bad1 < 64) atomicMin(&chk[2 * s + 1], bad1);
+                    fq_named_bar(4, 96);
+                    const int fv0 = chk[2 * s], fv1 = chk[2 * s + 1], fr = (int)rec[FQ_REC_F];
+                    fq_named_bar(4, 96); /* every checker has read them */
+                    if (tk == 0) {
+                        fvc[2 * s] = fv0;
+                        fvc[2 * s + 1] = fv1;
+                        chk[2 * s] = chk[2 * s + 1] = 64;
+                    }
+                    const int zq = min(len, fr);
+                    if (zq < 64) { /* Q, K: the 2 KT tiles from off_q on */
+                        const int nrow = 64 - zq;
+                        for (int idx = tk; idx < 2 * KT * nrow * 8; idx += 96) {
+                            const int tile = idx / (nrow * 8), r = zq + (idx / 8) % nrow, c = idx % 8;
+                            *(uint4 *)(st + SM::off_q + tile * FQ_TILE + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+                        }
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int zv = min(zq, h ? fv1 : fv0);
+                        for (int idx = tk; idx < (64 - zv) * 8; idx += 96)
+                            *(uint4 *)(st + SM::off_v + h * FQ_TILE + (zv + idx / 8) * 128 + (idx % 8) * 16) =
+                                make_uint4(0, 0, 0, 0);
+                    }
+                    fq_fence_async_smem();
+                    fq_mbar_arrive(&checked[s]);
+                    continue;
+                }
                 int bad = 64;
                 if (!mblk) /* (a V row is 128 bytes; the swizzle permutes only inside a row) */
                     for (int idx = tk; idx < 8 * len; idx += 96)
@@ -418,17 +595,19 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         }
     } else if (role == 1) {
         /* ------------------------------------------------------ output ---- */
-        fq_setmaxnreg_inc232();
+        /* (PAIR: 512 threads, 128 registers each at launch: 40 + 136 + 2 x 168) */
+        if constexpr (PAIR) fq_setmaxnreg_inc<136>();
+        else fq_setmaxnreg_inc232();
         const int tp = tid - 128, w = tp >> 5, lane = tp & 31, g = lane >> 2, t = lane & 3;
         unsigned char *Os = smem + SM::off_o;
         for (int i = 0; i < nch; i++) {
-            const int s = i % FQ_FUSED_STAGES, b = i & 1;
+            const int s = i % NS, b = i & 1; /* (FULL, HST: b the S^T and Vn^T buffer) */
             const uint32_t par = (i >> 1) & 1;
             unsigned char *st = smem + s * SM::stage;
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const int len = min(64, si.len - 64 * i);
             /* the stage's tiles are final once its V rows are checked (and rows zeroed) */
-            fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
+            fq_mbar_wait(&checked[s], (i / NS) & 1);
             if constexpr (HST) {
                 /* the backward's h and Vn, in the three-stage state pass's layouts:
                  *   h[c][j][kd][64 vb + v] = S^T[v][kd] at the chunk's start (bf16 as handed over)
@@ -466,6 +645,84 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 }
                 continue;
             }
+            if constexpr (PAIR) {
+                /* both column blocks h = 0, 1 (chains 0 and 1) of the value head, with one P:
+                 *   O_h = diag(qg_h) Q S_h + P Vn_h,  qg_h = qg with rows from fv_h on NaN
+                 * (fvc: chain h's first non-finite V row, the checker's), each step as FULL's */
+                const int bv = i % VNN, fv0 = fvc[2 * s], fv1 = fvc[2 * s + 1];
+                const uint32_t psb = (uint32_t)(i / SBN) & 1, pvn = (uint32_t)(i / VNN) & 1;
+                float pacc[32], oacc[32], oac1[32];
+                const uint64_t dq = fq_desc_sw128(fq_smem_u32(st + SM::off_q), 16, 1024);
+                const uint64_t dk = fq_desc_sw128(fq_smem_u32(st + SM::off_k), 16, 1024);
+                const uint64_t ds0 = fq_desc_sw128(fq_smem_u32(smem + SM::off_sb + (i % SBN) * KT * FQ_TILE), 16, 1024);
+                const uint64_t ds1 = fq_desc_sw128(fq_smem_u32(smem + SM::off_sb + (SBN + i % SBN) * KT * FQ_TILE), 16, 1024);
+                const uint64_t dv0 = fq_desc_sw128(fq_smem_u32(smem + SM::off_vn + bv * FQ_TILE), 16, 1024);
+                const uint64_t dv1 = fq_desc_sw128(fq_smem_u32(smem + SM::off_vn + (VNN + bv) * FQ_TILE), 16, 1024);
+                fq_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < K / 16; kk++) {
+                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+                    fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_at(dq, off), fq_desc_at(dk, off), kk > 0);
+                }
+                fq_wgmma_commit();
+                fq_mbar_wait(&sb_full[i % SBN], psb);
+                fq_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < K / 16; kk++) {
+                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+                    fq_wgmma_ss_n64<0, 0>(oacc, fq_desc_at(dq, off), fq_desc_at(ds0, off), kk > 0);
+                }
+                fq_wgmma_commit();
+                float qr[2];
+                uint32_t pf[4][4];
+                fq_out_gate_p(pf, qr, pacc, rec, w, g, t);
+                fq_wgmma_wait<0>();
+                fq_reg_fence(oacc);
+                fq_mbar_arrive(&sb_empty[i % SBN]); /* S_0^T read */
+                /* O_1 = Q S_1 while O_0 is finished */
+                fq_mbar_wait(&sb_full[SBN + i % SBN], psb);
+                fq_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < K / 16; kk++) {
+                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+                    fq_wgmma_ss_n64<0, 0>(oac1, fq_desc_at(dq, off), fq_desc_at(ds1, off), kk > 0);
+                }
+                fq_wgmma_commit();
+                const float nan = __int_as_float(0x7fc00000);
+                const float q00 = 16 * w + g >= fv0 ? nan : qr[0], q01 = 16 * w + g + 8 >= fv0 ? nan : qr[1];
+#pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= e >> 1 ? q01 : q00;
+                fq_mbar_wait(&vn_full[bv], pvn);
+                fq_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(oacc, pf[kk], fq_desc_at(dv0, 32 * kk), 1);
+                fq_wgmma_commit();
+                fq_wgmma_wait<0>();
+                fq_reg_fence(oacc);
+                fq_reg_fence(oac1);
+                fq_mbar_arrive(&sb_empty[SBN + i % SBN]); /* S_1^T read */
+                fq_mbar_arrive(&empty[s]);                /* Q, K and the record read */
+                fq_mbar_arrive(&vn_empty[bv]);              /* Vn_0^T read */
+                fq_out_store<0>(oacc, Os, args, &tm_o, 0, j, si.bos + 64 * i, len, tp, w, g, t);
+                const float q10 = 16 * w + g >= fv1 ? nan : qr[0], q11 = 16 * w + g + 8 >= fv1 ? nan : qr[1];
+#pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) oac1[4 * nb + e] *= e >> 1 ? q11 : q10;
+                fq_mbar_wait(&vn_full[VNN + bv], pvn);
+                fq_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<0, 0>(oac1, pf[kk], fq_desc_at(dv1, 32 * kk), 1);
+                fq_wgmma_commit();
+                fq_wgmma_wait<0>();
+                fq_reg_fence(oac1);
+                fq_mbar_arrive(&vn_empty[VNN + bv]); /* Vn_1^T read */
+                /* (tile 1 of the staging: the store of tile 0 just issued may stay pending) */
+                fq_out_store<1>(oac1, Os + SM::o_bytes, args, &tm_o, 1, j, si.bos + 64 * i, len, tp, w, g, t);
+                continue;
+            }
 
             /* P0 = Q K^T (Q and K K-major, M = the chunk's rows) */
             float pacc[32], oacc[32];
@@ -490,34 +747,9 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             }
             fq_wgmma_commit();
             /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk) as bf16 A fragments of P Vn */
-            float gc[16], rkc[16], gr[2], pr[2], qr[2];
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                const float2 gg = *(const float2 *)(rec + FQ_REC_G2 + 8 * nb + 2 * t);
-                const float2 rr = *(const float2 *)(rec + FQ_REC_RK + 8 * nb + 2 * t);
-                gc[2 * nb] = gg.x, gc[2 * nb + 1] = gg.y;
-                rkc[2 * nb] = rr.x, rkc[2 * nb + 1] = rr.y;
-            }
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                gr[h] = rec[FQ_REC_G2 + 16 * w + g + 8 * h];
-                pr[h] = rec[FQ_REC_PRQ + 16 * w + g + 8 * h];
-                qr[h] = rec[FQ_REC_QG + 16 * w + g + 8 * h];
-            }
-            fq_wgmma_wait<1>();
-            fq_reg_fence(pacc);
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int h = e >> 1, r = 16 * w + g + 8 * h, c = 8 * nb + 2 * t + (e & 1);
-                    pacc[4 * nb + e] = c <= r ? pacc[4 * nb + e] * pr[h] * rkc[2 * nb + (e & 1)] *
-                                                    exp2f(gr[h] - gc[2 * nb + (e & 1)])
-                                              : 0.f;
-                }
+            float qr[2];
             uint32_t pf[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_acc_to_a(pf[kk], &pacc[8 * kk], 1.f);
+            fq_out_gate_p(pf, qr, pacc, rec, w, g, t);
             fq_wgmma_wait<0>();
             fq_reg_fence(oacc);
             fq_mbar_arrive(&sb_empty[b]); /* S^T read */
@@ -536,72 +768,20 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             fq_reg_fence(oacc);
             fq_mbar_arrive(&vn_empty[b]); /* Vn^T read */
 
-            /* O through the staging to global rows r < len; the staging is free
-             * once the last tile store has read it */
-            if (tp == 0) fq_bulk_wait_read0();
-            fq_named_bar(3, 128);
-            if (args.odt != FQ_F32) {
-                /* 16-bit: O [r][v] pairs by stmatrix, SWIZZLE_128B rows */
-                const int is_bf16 = args.odt == FQ_BF16;
-#pragma unroll
-                for (int nb2 = 0; nb2 < 4; nb2++) {
-                    uint32_t pk[4];
-#pragma unroll
-                    for (int m = 0; m < 4; m++) {
-                        const int ix = 4 * (2 * nb2 + (m >> 1)) + 2 * (m & 1);
-                        if (is_bf16) {
-                            pk[m] = fq_pack_bf16(oacc[ix], oacc[ix + 1]);
-                        } else {
-                            __half2 hx = __floats2half2_rn(oacc[ix], oacc[ix + 1]);
-                            pk[m] = *(uint32_t *)&hx;
-                        }
-                    }
-                    fq_stsm_pairs(Os, w, 2 * nb2, pk[0], pk[1], pk[2], pk[3]);
-                }
-                if (len == 64 && args.o_tma) {
-                    /* one thread stores the tile (TMA); its read is waited for before the next chunk's staging */
-                    fq_fence_async_smem();
-                    fq_named_bar(3, 128);
-                    if (tp == 0) {
-                        fq_tma_store_3d(&tm_o, Os, 64 * vb, j, si.bos + 64 * i);
-                        fq_bulk_commit();
-                    }
-                } else {
-                    fq_named_bar(3, 128);
-                    uint16_t *orow = (uint16_t *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * args.V + 64 * vb;
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const int piece = tp + 128 * q, r = piece >> 3, c8 = piece & 7;
-                        if (r < len)
-                            *(uint4 *)(orow + (int64_t)r * HV * args.V + 8 * c8) = *(const uint4 *)(Os + fq_sw128(r, 16 * c8));
-                    }
-                }
-            } else {
-                float *Us = (float *)Os;
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int r = 16 * w + g + 8 * h, v = 8 * nb + 2 * t;
-                        *(float2 *)fq_f32_tile(Us, r, v) = make_float2(oacc[4 * nb + 2 * h], oacc[4 * nb + 2 * h + 1]);
-                    }
-                fq_named_bar(3, 128);
-                float *orow = (float *)args.o + ((int64_t)(si.bos + 64 * i) * HV + j) * args.V + 64 * vb;
-#pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    const int piece = tp + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
-                    if (r < len) *(float4 *)(orow + (int64_t)r * HV * args.V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
-                }
-            }
+            /* O through the staging to global rows r < len */
+            fq_out_store<0>(oacc, smem + SM::off_o, args, &tm_o, vb, j, si.bos + 64 * i, len, tp, w, g, t);
         }
         if (tp == 0) fq_bulk_wait0(); /* the last tile stores are complete */
         if (tp == 0) FQ_TL(7);
     } else {
         /* ------------------------------------------------------- chain ---- */
-        /* (MAP: 2 CTAs of 256 threads per SM, 128 registers each at launch: 40 + 216) */
+        /* (MAP: 2 CTAs of 256 threads per SM, 128 registers each at launch: 40 + 216;
+         * PAIR: chain ch = wg - 2 of column block vb = ch) */
         if constexpr (MAP) fq_setmaxnreg_inc216();
+        else if constexpr (PAIR) fq_setmaxnreg_inc<168>();
         else fq_setmaxnreg_inc232();
-        const int tc = tid - (MAP ? 128 : 256), w = tc >> 5, lane = tc & 31, g = lane >> 2, t = lane & 3;
+        const int ch = PAIR ? wg - 2 : 0;
+        const int tc = tid - (MAP ? 128 : 256 + 128 * ch), w = tc >> 5, lane = tc & 31, g = lane >> 2, t = lane & 3;
         const int V = args.V;
         /* S^T: row v = 16 w + g + 8 h (this CTA's column 64 vb + v), column kd = 8 nb + 2 t + e:
          * S[4 nb + 2 h + e] */
@@ -660,8 +840,8 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         /* S^T (bf16, [v][kd]) of the chunk's start for the output warpgroup's Q S,
          * into buffer b once the output warpgroup has read what was there */
         auto hand_state = [&](int c) {
-            const int b = c & 1;
-            if (c >= 2) fq_mbar_wait(&sb_empty[b], ((c >> 1) - 1) & 1);
+            const int b = ch * SBN + c % SBN;
+            if (c >= SBN) fq_mbar_wait(&sb_empty[b], ((c / SBN) - 1) & 1);
             unsigned char *tb = smem + SM::off_sb + b * KT * FQ_TILE;
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++)
@@ -671,9 +851,9 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         };
 
         for (int i = 0; i < nch; i++) {
-            const int s = i % FQ_FUSED_STAGES, b = i & 1;
+            const int s = i % NS, b = ch * VNN + i % VNN; /* b: the Vn^T buffer */
             unsigned char *st = smem + s * SM::stage;
-            fq_mbar_wait(&checked[s], (i / FQ_FUSED_STAGES) & 1);
+            fq_mbar_wait(&checked[s], (i / NS) & 1);
             if (tc == 0 && i == 0) FQ_TL(3);
             const float *rec = (const float *)(smem + SM::off_rec + s * SM::rec_bytes);
             const float *kdv = rec + FQ_REC_KD, *fav = rec + FQ_REC_FA1;
@@ -690,7 +870,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     const int nb = 2 * q + (m >> 1), h = m & 1;
-                    fq_ldsm_x4_trans(&vt[4 * q], fq_smem_u32(st + SM::off_v +
+                    fq_ldsm_x4_trans(&vt[4 * q], fq_smem_u32(st + SM::off_v + ch * FQ_TILE +
                                                              fq_sw128(8 * nb + (lane & 7), 2 * (16 * w + 8 * h))));
                 }
             } else {
@@ -705,14 +885,20 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             fq_wgmma_commit();
             /* S^T of this chunk's start to the output warpgroup, while group 1 runs */
             if constexpr (!MAP) hand_state(i);
+            /* e^gamma rk of this thread's columns r = 8 nb + 2 t + e (PAIR: loaded after the
+             * wait, the registers of S^T's bf16 copy are free then) */
             float fac[16];
+            auto load_fac = [&]() {
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                const float2 f = *(const float2 *)(fav + 8 * nb + 2 * t);
-                fac[2 * nb] = f.x, fac[2 * nb + 1] = f.y;
-            }
+                for (int nb = 0; nb < 8; nb++) {
+                    const float2 f = *(const float2 *)(fav + 8 * nb + 2 * t);
+                    fac[2 * nb] = f.x, fac[2 * nb + 1] = f.y;
+                }
+            };
+            if constexpr (!PAIR) load_fac();
             fq_wgmma_wait<0>();
             fq_reg_fence(xacc);
+            if constexpr (PAIR) load_fac();
             /* Y^T = V^T - X^T diag(e^gamma rk), split into two bf16 parts (Y = Yh + Yl)
              * as A fragments of the next product: Vn = A'' V - W S = A'' Y */
             uint32_t yh[4][4], yl[4][4];
@@ -752,7 +938,8 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 const float2 f = *(const float2 *)(kdv + 8 * nb + 2 * t);
                 kdc[2 * nb] = f.x, kdc[2 * nb + 1] = f.y;
             }
-            const float eC = rec[FQ_REC_EC];
+            /* (PAIR: NaN from a non-finite V row of this chain's block, the checker's fvc) */
+            const float eC = PAIR && fvc[s * NH + ch] < 64 ? __int_as_float(0x7fc00000) : rec[FQ_REC_EC];
             fq_wgmma_wait<0>();
             fq_reg_fence(vacc);
             /* Vn (for P Vn) and diag(kd) Vn (for the update, so K stays raw) as A fragments */
@@ -781,7 +968,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             fq_wgmma_commit();
             if constexpr (!MAP) {
                 /* Vn^T (bf16 [v][r]) for the output warpgroup's P Vn, while the update runs */
-                if (i >= 2) fq_mbar_wait(&vn_empty[b], ((i >> 1) - 1) & 1);
+                if (i >= VNN) fq_mbar_wait(&vn_empty[b], ((i / VNN) - 1) & 1);
                 unsigned char *tb = smem + SM::off_vn + b * FQ_TILE;
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) fq_stsm_pairs(tb, w, 2 * kk, vn[kk][0], vn[kk][1], vn[kk][2], vn[kk][3]);
@@ -935,7 +1122,7 @@ static fq_status fq_launch_fused(const fq_gdn_params *p, const fq_fwd_ws *ws, co
     args.H = (int)p->H;
     args.HV = (int)p->HV;
     args.V = (int)p->V;
-    args.ncb = (int)(MODE == FQ_FUSED_MAP ? (K + p->V) / 64 : p->V / 64);
+    args.ncb = (int)(MODE == FQ_FUSED_MAP ? (K + p->V) / 64 : MODE == FQ_FUSED_PAIR ? 1 : p->V / 64);
     args.scale = (float)p->scale;
     if (MODE == FQ_FUSED_HST) { /* (the recompute stores no o, no end state, no checkpoint) */
         args.o = NULL;

@@ -838,6 +838,8 @@ static void chunk_suite(int quick, int tiny, int race)
         check_chunk("  K=V=256 T=100 HV=2", x, 16.0, 0, 5e-3, CFG_K256, NCFG(CFG_K256));
         x = b; x.B = 1; x.H = 16; x.HV = 32; x.T = 200; /* stage A beside the state pass */
         check_chunk("  beside T=200 H=16 HV=32", x, 16.0);
+        x.B = 3; x.T = 130; /* PAIR: 192 FULL CTAs would need two waves */
+        check_chunk("  pair T=130 B=3 H=16 HV=32", x, 16.0);
         return;
     }
     {
@@ -879,6 +881,20 @@ static void chunk_suite(int quick, int tiny, int race)
         x.K = 64; x.V = 64; x.H = 24; x.HV = 48; x.T = 333; x.l2norm = 1;
         check_chunk("beside K=V=64 H=24 HV=48 T=333 l2norm", x, 16.0);
         check_batch_invariance(32, 1000, 300);
+    }
+    {
+        /* PAIR (fq_fwd_pair: both column blocks of a value head in one CTA, where
+         * FULL's CTAs would need more than one wave): bf16 and fp32, K = 64,
+         * varlen with short and empty sequences, the L2 norm; and the bits of a
+         * sequence alone (128 FULL CTAs at HV = 64) and packed after another one
+         * (PAIR) */
+        Problem x = b; x.B = 3; x.H = 16; x.HV = 32; x.T = 200;
+        check_chunk("pair B=3 T=200 H=16 HV=32 h0", x, 16.0);
+        x.dt = FQ_F32; check_chunk("pair fp32", x, 16.0);
+        x.dt = FQ_BF16; x.K = 64; check_chunk("pair K=64 V=128", x, 16.0);
+        x.K = 128; x.B = 1; x.cu = {0, 1, 64, 128, 193, 193, 1193}; x.T = 1193; x.l2norm = 1; x.has_h0 = 0;
+        check_chunk("pair varlen 1,63,64,65,0,1000 l2norm, no h0", x, 16.0);
+        check_batch_invariance(64, 1000, 300);
     }
     check_chunk("T=200 B=2 H=4 HV=8 K=V=128 bf16 h0", b, 16.0, 0, 5e-3, CFG_BV, NCFG(CFG_BV));
     {
