@@ -552,12 +552,27 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                      * min(zq, fv_h) on. Rows before fv_h get the bits FULL gives them
                      * (Q, K rows from fv_h on enter only rows from fv_h on); the rows
                      * from fv_h on are NaN, as there. */
+                    /* the two V tiles are adjacent: piece idx (16 bytes) of both is row
+                     * (idx & 511) / 8 of tile idx / 512; rows >= len (another sequence's)
+                     * are not looked at. Loads three at a time (the scan is on the
+                     * chains' path when it is slower than their chunk) */
                     int bad0 = 64, bad1 = 64;
-                    for (int idx = tk; idx < 16 * len; idx += 96) {
-                        const int hh = idx >= 8 * len, q = idx - 8 * len * hh;
-                        if (fq_bf16x8_nonfinite(*(const uint4 *)(st + SM::off_v + hh * FQ_TILE + 16 * q))) {
-                            if (hh) bad1 = min(bad1, q >> 3);
-                            else bad0 = min(bad0, q >> 3);
+#pragma unroll 1
+                    for (int i0 = 0; i0 < 1024; i0 += 3 * 96) {
+                        uint4 x[3];
+#pragma unroll
+                        for (int u = 0; u < 3; u++) {
+                            const int idx = tk + i0 + 96 * u;
+                            x[u] = make_uint4(0, 0, 0, 0);
+                            if (idx < 1024 && ((idx & 511) >> 3) < len) x[u] = *(const uint4 *)(st + SM::off_v + 16 * idx);
+                        }
+#pragma unroll
+                        for (int u = 0; u < 3; u++) {
+                            const int idx = tk + i0 + 96 * u;
+                            if (fq_bf16x8_nonfinite(x[u])) {
+                                if (idx >> 9) bad1 = min(bad1, (idx & 511) >> 3);
+                                else bad0 = min(bad0, (idx & 511) >> 3);
+                            }
                         }
                     }
                     bad0 = __reduce_min_sync(0xffffffffu, bad0);
