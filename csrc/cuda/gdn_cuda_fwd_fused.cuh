@@ -94,18 +94,16 @@
  * 64 rows of 68); the barriers, the checker's words and the stages' gate
  * records (FQ_REC_*). MAP has no Q tiles, no exchange buffers and no staging
  * (no output warpgroup): ~103 KB at K = 128, two CTAs per SM. PAIR (two
- * chains): three stages of 56 KB at K = 128, one S^T and one Vn^T buffer per
- * chain (the chain hands S_{i+1} and Vn_{i+1} over about a chunk after the
- * output warpgroup has read S_i and Vn_i), no O staging (o leaves from the
- * accumulators): 222.5 KB at K = 128. */
+ * chains): 56 KB stages, two of them at K = 128 (three at K = 64), one S^T
+ * buffer per chain (the chain hands S_{i+1} over a whole chunk after the
+ * output warpgroup's Q S_i has read S_i): ~219 KB at K = 128. */
 template <int K, int MODE> struct fq_fused_smem {
     static constexpr int KT = K / 64;
     static constexpr int PAIR = MODE == FQ_FUSED_PAIR;
     static constexpr int NH = PAIR ? 2 : 1;                  /* chains (column blocks of 64) per CTA */
-    static constexpr int NS = FQ_FUSED_STAGES;               /* stages */
+    static constexpr int NS = PAIR && K == 128 ? 2 : FQ_FUSED_STAGES; /* stages */
     static constexpr int SBN = PAIR ? 1 : 2;                 /* S^T buffers per chain */
-    static constexpr int VNN = PAIR ? 1 : 2;                 /* Vn^T buffers per chain */
-    static constexpr int NO = PAIR ? 0 : 1;                  /* O staging tiles (PAIR: none) */
+    static constexpr int VNN = 2;                            /* Vn^T buffers per chain */
     static constexpr int QT = MODE == FQ_FUSED_MAP ? 0 : KT; /* Q tiles per stage */
     static constexpr int XB = MODE == FQ_FUSED_MAP ? 0 : 1;  /* 1: the exchange buffers and the staging */
     static constexpr int off_q = 0;
@@ -117,7 +115,7 @@ template <int K, int MODE> struct fq_fused_smem {
     static constexpr int off_vn = off_sb + XB * NH * SBN * KT * FQ_TILE; /* NH x VNN x Vn^T */
     static constexpr int off_o = off_vn + XB * NH * VNN * FQ_TILE;  /* NH x the O staging */
     static constexpr int o_bytes = 64 * 68 * 4;                     /* (17 KB: keeps 1024-byte alignment) */
-    static constexpr int off_bar = off_o + XB * NO * o_bytes;
+    static constexpr int off_bar = off_o + XB * NH * o_bytes;
     /* per stage: full, empty, checked; per chain and buffer: sb_full, sb_empty, vn_full, vn_empty */
     static constexpr int nbar = 3 * NS + 2 * NH * (SBN + VNN);
     /* per stage and chain: the checker's row minimum, and (PAIR) the chain's first non-finite V row */
@@ -278,12 +276,14 @@ static __device__ __forceinline__ void fq_out_gate_p(uint32_t (&pf)[4][4], float
  * staging tile Os: 16-bit pairs by stmatrix into SWIZZLE_128B rows, then a
  * TMA store (a full chunk, o_tma) or per-thread 16-byte copies; fp32 by
  * float2 stores into rows of 68 and per-thread float4 copies. The staging is
- * free once the bulk store that last read it has. */
+ * free once the bulk store that last read it has: WAITN later store groups
+ * (of other staging tiles) may still be pending. */
+template <int WAITN>
 static __device__ __forceinline__ void fq_out_store(const float (&oacc)[32], unsigned char *Os, const fq_fused_args &args,
                                                     const CUtensorMap *tm_o, int vb, int j, int row0, int len, int tp,
                                                     int w, int g, int t)
 {
-    if (tp == 0) fq_bulk_wait_read0();
+    if (tp == 0) fq_bulk_wait_read<WAITN>();
     fq_named_bar(3, 128);
     if (args.odt != FQ_F32) {
         /* 16-bit: O [r][v] pairs by stmatrix, SWIZZLE_128B rows */
@@ -336,43 +336,6 @@ static __device__ __forceinline__ void fq_out_store(const float (&oacc)[32], uns
         for (int q = 0; q < 8; q++) {
             const int piece = tp + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
             if (r < len) *(float4 *)(orow + (int64_t)r * args.HV * args.V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
-        }
-    }
-}
-
-/* PAIR: O (as in fq_out_store) to o's rows row0 + r, r < len, columns 64 vb..
- * straight from the accumulators: the lane's two adjacent columns per store
- * (4 bytes 16-bit, converted as there; 8 bytes fp32), a warp's stores filling
- * whole 32-byte pieces of 8 rows. (PAIR's shared memory holds no staging.) */
-static __device__ __forceinline__ void fq_out_store_direct(const float (&oacc)[32], const fq_fused_args &args, int vb,
-                                                           int j, int row0, int len, int w, int g, int t)
-{
-    const int64_t rs = (int64_t)args.HV * args.V; /* elements between rows */
-    const int64_t base = ((int64_t)row0 * args.HV + j) * args.V + 64 * vb + 2 * t;
-    const int is_bf16 = args.odt == FQ_BF16;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = 16 * w + g + 8 * h;
-        if (r >= len) continue;
-        if (args.odt != FQ_F32) {
-            uint16_t *orow = (uint16_t *)args.o + base + r * rs;
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                const float x0 = oacc[4 * nb + 2 * h], x1 = oacc[4 * nb + 2 * h + 1];
-                uint32_t pk;
-                if (is_bf16) {
-                    pk = fq_pack_bf16(x0, x1);
-                } else {
-                    __half2 hx = __floats2half2_rn(x0, x1);
-                    pk = *(uint32_t *)&hx;
-                }
-                *(uint32_t *)(orow + 8 * nb) = pk;
-            }
-        } else {
-            float *orow = (float *)args.o + base + r * rs;
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-                *(float2 *)(orow + 8 * nb) = make_float2(oacc[4 * nb + 2 * h], oacc[4 * nb + 2 * h + 1]);
         }
     }
 }
@@ -757,7 +720,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 fq_mbar_arrive(&sb_empty[SBN + i % SBN]); /* S_1^T read */
                 fq_mbar_arrive(&empty[s]);                /* Q, K and the record read */
                 fq_mbar_arrive(&vn_empty[bv]);              /* Vn_0^T read */
-                fq_out_store_direct(oacc, args, 0, j, si.bos + 64 * i, len, w, g, t);
+                fq_out_store<0>(oacc, Os, args, &tm_o, 0, j, si.bos + 64 * i, len, tp, w, g, t);
                 const float q10 = 16 * w + g >= fv1 ? nan : qr[0], q11 = 16 * w + g + 8 >= fv1 ? nan : qr[1];
 #pragma unroll
                 for (int nb = 0; nb < 8; nb++)
@@ -771,7 +734,8 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 fq_wgmma_wait<0>();
                 fq_reg_fence(oac1);
                 fq_mbar_arrive(&vn_empty[VNN + bv]); /* Vn_1^T read */
-                fq_out_store_direct(oac1, args, 1, j, si.bos + 64 * i, len, w, g, t);
+                /* (tile 1 of the staging: the store of tile 0 just issued may stay pending) */
+                fq_out_store<1>(oac1, Os + SM::o_bytes, args, &tm_o, 1, j, si.bos + 64 * i, len, tp, w, g, t);
                 continue;
             }
 
@@ -820,7 +784,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             fq_mbar_arrive(&vn_empty[b]); /* Vn^T read */
 
             /* O through the staging to global rows r < len */
-            fq_out_store(oacc, smem + SM::off_o, args, &tm_o, vb, j, si.bos + 64 * i, len, tp, w, g, t);
+            fq_out_store<0>(oacc, smem + SM::off_o, args, &tm_o, vb, j, si.bos + 64 * i, len, tp, w, g, t);
         }
         if (tp == 0) fq_bulk_wait0(); /* the last tile stores are complete */
         if (tp == 0) FQ_TL(7);

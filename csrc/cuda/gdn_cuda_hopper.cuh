@@ -326,6 +326,13 @@ static __device__ __forceinline__ void fq_bulk_wait_read0(void)
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
+/* ... until at most N committed groups may still read their sources */
+template <int N> static __device__ __forceinline__ void fq_bulk_wait_read(void)
+{
+#if FQ_SM90A
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
 static __device__ __forceinline__ void fq_bulk_wait0(void)
 {
 #if FQ_SM90A
