@@ -48,7 +48,11 @@
  * stores S after every checkpoint_every tokens of a sequence from its
  * registers (the rows indexed by fq_cuda_fwd_checkpoint_index).
  *
- * Modes (MODE): FULL (the above), MAP (a segment's affine state map for
+ * Modes (MODE): FULL (the above), PAIR (FULL for both column blocks of a
+ * value head, V = 128: 512 threads, two chain warpgroups of 64 columns each
+ * sharing the stage's Q, K, A'' and record, the output warpgroup forming P
+ * once and O for both blocks; two stages; chosen where FULL's CTAs would need
+ * more than one wave, fq_fwd_pair; the same bits as FULL), MAP (a segment's affine state map for
  * context parallelism: start [I | 0], no Q, no o; only the producer and the
  * chain warpgroups, 256 threads, ~103 KB of shared memory: two CTAs per SM)
  * and HST (the backward's recompute: the chain as in FULL, no Q, no o; the
