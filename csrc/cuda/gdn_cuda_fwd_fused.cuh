@@ -351,6 +351,27 @@ static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes
     return d + (bytes >> 4);
 }
 
+/* acc = A B^T over K (a fresh accumulator), A and B two 64-row K-major
+ * operands of K/64 SWIZZLE_128B tiles from descriptors da, db: Q K^T, Q S. */
+template <int K>
+static __device__ __forceinline__ void fq_wgmma_ss_qk(float (&acc)[32], uint64_t da, uint64_t db)
+{
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+        fq_wgmma_ss_n64<0, 0>(acc, fq_desc_at(da, off), fq_desc_at(db, off), kk > 0);
+    }
+}
+
+/* An accumulator's rows scaled: the lane's row 16 w + g by x0, row + 8 by x1. */
+static __device__ __forceinline__ void fq_scale_rows(float (&acc)[32], float x0, float x1)
+{
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[4 * nb + e] *= e >> 1 ? x1 : x0;
+}
+
 #endif
 
 template <int K, int MODE>
@@ -518,11 +539,11 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                      * from zq = min(len, f) on only, V rows of chain h from
                      * min(zq, fv_h) on. Rows before fv_h get the bits FULL gives them
                      * (Q, K rows from fv_h on enter only rows from fv_h on); the rows
-                     * from fv_h on are NaN, as there. */
-                    /* the two V tiles are adjacent: piece idx (16 bytes) of both is row
-                     * (idx & 511) / 8 of tile idx / 512; rows >= len (another sequence's)
-                     * are not looked at. Loads three at a time (the scan is on the
-                     * chains' path when it is slower than their chunk) */
+                     * from fv_h on are NaN, as there. The two V tiles are adjacent:
+                     * piece idx (16 bytes) of both is row (idx & 511) / 8 of tile
+                     * idx / 512; rows >= len (another sequence's) are not looked at.
+                     * Three loads at a time (the scan is on the chains' path when it
+                     * is slower than their chunk). */
                     int bad0 = 64, bad1 = 64;
 #pragma unroll 1
                     for (int i0 = 0; i0 < 1024; i0 += 3 * 96) {
@@ -615,8 +636,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
     } else if (role == 1) {
         /* ------------------------------------------------------ output ---- */
         /* (PAIR: 512 threads, 128 registers each at launch: 40 + 136 + 2 x 168) */
-        if constexpr (PAIR) fq_setmaxnreg_inc<136>();
-        else fq_setmaxnreg_inc232();
+        fq_setmaxnreg_inc<PAIR ? 136 : 232>();
         const int tp = tid - 128, w = tp >> 5, lane = tp & 31, g = lane >> 2, t = lane & 3;
         unsigned char *Os = smem + SM::off_o;
         for (int i = 0; i < nch; i++) {
@@ -638,7 +658,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 fq_mbar_arrive(&empty[s]); /* nothing of the stage's loads is read here */
                 unsigned char *hs = st + SM::off_q;
                 /* the staging tiles are free once the stores of the chunk before have read them */
-                if (tp == 0) fq_bulk_wait_read0();
+                if (tp == 0) fq_bulk_wait_read<0>();
                 fq_named_bar(3, 128);
                 fq_mbar_wait(&sb_full[b], par);
                 const unsigned char *sbt = smem + SM::off_sb + b * KT * FQ_TILE;
@@ -678,19 +698,11 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 const uint64_t dv0 = fq_desc_sw128(fq_smem_u32(smem + SM::off_vn + bv * FQ_TILE), 16, 1024);
                 const uint64_t dv1 = fq_desc_sw128(fq_smem_u32(smem + SM::off_vn + (VNN + bv) * FQ_TILE), 16, 1024);
                 fq_wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++) {
-                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                    fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_at(dq, off), fq_desc_at(dk, off), kk > 0);
-                }
+                fq_wgmma_ss_qk<K>(pacc, dq, dk);
                 fq_wgmma_commit();
                 fq_mbar_wait(&sb_full[i % SBN], psb);
                 fq_wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++) {
-                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                    fq_wgmma_ss_n64<0, 0>(oacc, fq_desc_at(dq, off), fq_desc_at(ds0, off), kk > 0);
-                }
+                fq_wgmma_ss_qk<K>(oacc, dq, ds0);
                 fq_wgmma_commit();
                 float qr[2];
                 uint32_t pf[4][4];
@@ -701,18 +713,11 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 /* O_1 = Q S_1 while O_0 is finished */
                 fq_mbar_wait(&sb_full[SBN + i % SBN], psb);
                 fq_wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++) {
-                    const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                    fq_wgmma_ss_n64<0, 0>(oac1, fq_desc_at(dq, off), fq_desc_at(ds1, off), kk > 0);
-                }
+                fq_wgmma_ss_qk<K>(oac1, dq, ds1);
                 fq_wgmma_commit();
                 const float nan = __int_as_float(0x7fc00000);
                 const float q00 = 16 * w + g >= fv0 ? nan : qr[0], q01 = 16 * w + g + 8 >= fv0 ? nan : qr[1];
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= e >> 1 ? q01 : q00;
+                fq_scale_rows(oacc, q00, q01);
                 fq_mbar_wait(&vn_full[bv], pvn);
                 fq_wgmma_fence();
 #pragma unroll
@@ -726,10 +731,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
                 fq_mbar_arrive(&vn_empty[bv]);              /* Vn_0^T read */
                 fq_out_store<0>(oacc, Os, args, &tm_o, 0, j, si.bos + 64 * i, len, tp, w, g, t);
                 const float q10 = 16 * w + g >= fv1 ? nan : qr[0], q11 = 16 * w + g + 8 >= fv1 ? nan : qr[1];
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) oac1[4 * nb + e] *= e >> 1 ? q11 : q10;
+                fq_scale_rows(oac1, q10, q11);
                 fq_mbar_wait(&vn_full[VNN + bv], pvn);
                 fq_wgmma_fence();
 #pragma unroll
@@ -750,20 +752,12 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             const uint64_t ds = fq_desc_sw128(fq_smem_u32(smem + SM::off_sb + b * KT * FQ_TILE), 16, 1024);
             const uint64_t dv = fq_desc_sw128(fq_smem_u32(smem + SM::off_vn + b * FQ_TILE), 16, 1024);
             fq_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < K / 16; kk++) {
-                const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                fq_wgmma_ss_n64<0, 0>(pacc, fq_desc_at(dq, off), fq_desc_at(dk, off), kk > 0);
-            }
+            fq_wgmma_ss_qk<K>(pacc, dq, dk);
             fq_wgmma_commit();
             /* O = Q S at the chunk's start (S^T from the chain, [v][kd]: K-major) */
             fq_mbar_wait(&sb_full[b], par);
             fq_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < K / 16; kk++) {
-                const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-                fq_wgmma_ss_n64<0, 0>(oacc, fq_desc_at(dq, off), fq_desc_at(ds, off), kk > 0);
-            }
+            fq_wgmma_ss_qk<K>(oacc, dq, ds);
             fq_wgmma_commit();
             /* P = lower_incl(P0 ⊙ Gamma) diag(scale rq) . diag(rk) as bf16 A fragments of P Vn */
             float qr[2];
@@ -774,10 +768,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
             fq_mbar_arrive(&sb_empty[b]); /* S^T read */
             fq_mbar_arrive(&empty[s]);    /* Q, K and the record read */
             /* O = diag(qg) Q S (+ P Vn below) */
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) oacc[4 * nb + e] *= qr[e >> 1];
+            fq_scale_rows(oacc, qr[0], qr[1]);
             fq_mbar_wait(&vn_full[b], par);
             fq_wgmma_fence();
 #pragma unroll
@@ -796,9 +787,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
         /* ------------------------------------------------------- chain ---- */
         /* (MAP: 2 CTAs of 256 threads per SM, 128 registers each at launch: 40 + 216;
          * PAIR: chain ch = wg - 2 of column block vb = ch) */
-        if constexpr (MAP) fq_setmaxnreg_inc216();
-        else if constexpr (PAIR) fq_setmaxnreg_inc<168>();
-        else fq_setmaxnreg_inc232();
+        fq_setmaxnreg_inc<MAP ? 216 : PAIR ? 168 : 232>();
         const int ch = PAIR ? wg - 2 : 0;
         const int tc = tid - (MAP ? 128 : 256 + 128 * ch), w = tc >> 5, lane = tc & 31, g = lane >> 2, t = lane & 3;
         const int V = args.V;

@@ -94,18 +94,6 @@ template <int NR> static __device__ __forceinline__ void fq_reg_fence(float (&d)
     for (int i = 0; i < NR; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-static __device__ __forceinline__ void fq_setmaxnreg_inc232(void)
-{
-#if FQ_SM90A
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-#endif
-}
-static __device__ __forceinline__ void fq_setmaxnreg_inc216(void)
-{
-#if FQ_SM90A
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
-#endif
-}
 template <int N> static __device__ __forceinline__ void fq_setmaxnreg_inc(void)
 {
 #if FQ_SM90A
@@ -320,13 +308,7 @@ static __device__ __forceinline__ void fq_bulk_commit(void)
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 #endif
 }
-static __device__ __forceinline__ void fq_bulk_wait_read0(void)
-{
-#if FQ_SM90A
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
-}
-/* ... until at most N committed groups may still read their sources */
+/* wait until at most N committed bulk groups may still read their shared-memory sources */
 template <int N> static __device__ __forceinline__ void fq_bulk_wait_read(void)
 {
 #if FQ_SM90A
