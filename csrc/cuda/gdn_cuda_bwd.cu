@@ -66,7 +66,8 @@
  *     FLASHQLA_CUDA_BWD_STATE=BV:KS, e.g. 32:1, forces one configuration, for
  *     timing the alternatives);
  *   5 + 6 for dk: bwd_wy (gdn_cuda_bwd_fused.cu), the same scheme as
- *     bwd_local, dk finished in the block.
+ *     bwd_local, dk finished in the block; at K = V = 128 on sm_90a the same
+ *     block with wgmma products (gdn_cuda_bwd_wy_sm90.cu).
  * Versions 1-5 (unfused kernels, a separate dq/dk reduction, earlier reverse
  * state passes) were removed once superseded: see benchmarks/NOTES.md and git
  * history (commit 4599409).

@@ -152,6 +152,20 @@ static __device__ __forceinline__ void fq_wgmma_ss_n64(float (&d)[32], uint64_t 
 #endif
 }
 
+template <int TA, int TB>
+static __device__ __forceinline__ void fq_wgmma_ss_n32(float (&d)[16], uint64_t da, uint64_t db, int acc)
+{
+#if FQ_SM90A
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        "%16, %17, p, 1, 1, %19, %20;\n}\n"
+        : FQ_D8(0), FQ_D8(8)
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+#endif
+}
+
 template <int TB, int NEG_A>
 static __device__ __forceinline__ void fq_wgmma_rs_n64(float (&d)[32], const uint32_t a[4], uint64_t db, int acc)
 {

@@ -1,0 +1,631 @@
+/*
+ * gdn_cuda_bwd_wy_sm90.cu — bwd_wy (step 5 of gdn_cuda_bwd.cu) on sm_90a,
+ * K = V = 128: the equations, epilogues, deterministic reduction slots and
+ * causality selects of fq_bwd_wy_kernel (gdn_cuda_bwd_fused.cu, which keeps
+ * every other head size and the compute_80 PTX path), with each product a
+ * warpgroup wgmma reading both operands from shared memory.
+ *
+ * Forward lines differentiated (per chunk, value head; DESIGN §2):
+ *   S' = e^{g_C} S + K^T diag(e^{g_C - g}) Vn   -> dK += diag(m) Vn dS'^T,
+ *        dgamma_r -= m_r x_r, dgamma_C += sum_r m_r x_r + e^{g_C} <S, dS'>
+ *   Vn = U - W S                                -> dW = -dVn S^T, dU = dVn
+ *   W  = A diag(b e^g) K                        -> dK += diag(b e^g) A^T dW, ...
+ *   U  = A diag(b) V                            -> dV = diag(b) A^T dU, ...
+ *   A  = (I + L)^-1                             -> dL = -strict_lower(A^T dA A^T)
+ *   L  = strict_lower(diag(b)(K K^T ⊙ Gamma))   -> db, dK += (G + G^T) K, dgamma
+ *   gamma = cumsum(g)                           -> dg = reverse cumsum(dgamma)
+ *
+ * One block of two warpgroups (256 threads) per (chunk, q/k head), looping
+ * over the GVA group's value heads with dK (64 x K fp32) in wgmma
+ * accumulators: warpgroup u owns output columns [64u, 64u + 64) of every
+ * 64 x 128 product and [32u, 32u + 32) of every 64 x 64 one; warp w of it
+ * rows [16w, 16w + 16). Accumulator element d[4 nb + e] is row
+ * 16 w + g + 8 (e / 2), column (slice start) + 8 nb + 2 t + e % 2
+ * (gdn_cuda_hopper.cuh).
+ *
+ * Two blocks per SM (~110 KB of shared memory each, 128 registers): the
+ * loads of one block's phases overlap the other's products. Shared memory:
+ * 64-row bf16 matrices as SWIZZLE_128B tiles of 64 columns (tile i: columns
+ * 64 i ..); the 128-row h and dS' by halves of v (F1 and dW accumulate over
+ * the two), each half two tiles (tile row / 64); V then in their place, Gl
+ * in dA^T's; all loaded by cp.async into their swizzled places. One tile serves as a K-major operand (rows = M or N) or an
+ * MN-major one (rows = the reduction), so no transposed copies: only dA is
+ * stored transposed (dA^T [s'][s]) so that M1 = A^T dA has a K-major B whose
+ * 32-row half is a plain row offset.
+ *
+ *   product                 A (major)              B (major)
+ *   F1 = Vn dS'^T           Vn [r][v] (K)          dS' [kd][v] (K)
+ *   dW = dVn S^T (negated)  dVn [r][v] (K)         h [kd][v] (K)
+ *   F2 = A^T dW             A [s][r] (MN)          dW [s][kd] (MN)
+ *   F3 = A^T dU             A [s][r] (MN)          dVn [s][v] (MN)
+ *   d1 = dW K^T             dW [r][kd] (K)         K [s][kd] (K)
+ *   d2 = dVn V^T            dVn [r][v] (K)         V [s][v] (K)
+ *   M1 = A^T dA             A [s][r] (MN)          dA^T [s'][s] (K)
+ *   M2 = M1 A^T             M1 [r][s] (K)          A [s'][s] (K)
+ *   KK = K K^T              K [r][kd] (K)          K [s][kd] (K)
+ *   dK += Gl K + Gl^T K     Gl [r][s] (K), (MN)    K [s][kd] (MN)
+ */
+#include "gdn_cuda_bwd.cuh"
+#include "gdn_cuda_hopper.cuh"
+
+#include <stdlib.h> /* getenv */
+#include <string.h>
+
+#define FQ_WY_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
+
+struct fq_wy90_smem {
+    static constexpr int off_k = 0;                       /* K (rows scaled by rk) [s][kd], 2 tiles */
+    static constexpr int off_vn = off_k + 2 * FQ_WY_TILE;  /* Vn [r][v], then -dW [r][kd]           */
+    static constexpr int off_dvn = off_vn + 2 * FQ_WY_TILE; /* dVn = dU [r][v]                      */
+    /* h = S and dS' [kd][v] by halves of v (2 tiles each: kd 0.., 64..), then V [s][v] */
+    static constexpr int off_h = off_dvn + 2 * FQ_WY_TILE;
+    static constexpr int off_ds = off_h + 2 * FQ_WY_TILE;
+    static constexpr int off_v = off_h;
+    static constexpr int off_a = off_ds + 2 * FQ_WY_TILE;  /* A [r][s]                              */
+    static constexpr int off_dat = off_a + FQ_WY_TILE;     /* dA^T [s][r], then Gl [r][s]           */
+    static constexpr int off_m1 = off_dat + FQ_WY_TILE;    /* M1 [r][s]                             */
+    static constexpr int off_gl = off_dat;
+    static constexpr int off_vec = off_m1 + FQ_WY_TILE;
+    static constexpr int bytes = off_vec + 1040 * 4 + 1024; /* + alignment slack */
+    static_assert(2 * (bytes + 1024) <= 228 * 1024, "two blocks per SM");
+};
+
+#if FQ_SM90A
+/* rows x (64 NT) bf16, global row r at src + r * stride (16-byte aligned),
+ * into NT-column-tile SWIZZLE_128B tiles at dst (row r of tile
+ * NT (r / 64) + c / 64), rows >= len zero-filled; the caller commits and
+ * waits. fq_finite_tiles / fq_scale_tiles visit the same 16-byte pieces per
+ * thread. */
+template <int NT>
+static __device__ __forceinline__ void fq_async_tiles(unsigned char *dst, const fq_bf16 *src, int64_t stride, int rows,
+                                                      int len)
+{
+    for (int idx = threadIdx.x; idx < rows * NT * 8; idx += blockDim.x) {
+        const int r = idx / (NT * 8), c = idx % (NT * 8);
+        const bool ok = r < len;
+        fq_cp_async16(dst + (NT * (r >> 6) + (c >> 3)) * FQ_WY_TILE + fq_sw128(r & 63, 16 * (c & 7)),
+                      src + (ok ? r * stride + 8 * c : 0), ok ? 16 : 0);
+    }
+}
+template <int NT> static __device__ __forceinline__ uint4 *fq_tile_piece(unsigned char *dst, int idx)
+{
+    const int r = idx / (NT * 8), c = idx % (NT * 8);
+    return (uint4 *)(dst + (NT * (r >> 6) + (c >> 3)) * FQ_WY_TILE + fq_sw128(r & 63, 16 * (c & 7)));
+}
+/* Causality (issue 9), as fq_finite_rows: the thread's own pieces' non-finite
+ * elements to zero. */
+template <int NT> static __device__ __forceinline__ void fq_finite_tiles(unsigned char *dst, int rows)
+{
+    for (int idx = threadIdx.x; idx < rows * NT * 8; idx += blockDim.x) {
+        uint4 *pp = fq_tile_piece<NT>(dst, idx);
+        uint4 x = *pp;
+        uint32_t *xs = (uint32_t *)&x;
+        if (fq_bf16x8_nonfinite(x)) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const uint32_t y = xs[q] & 0x7f807f80u;
+                xs[q] &= ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) &
+                         ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
+            }
+            *pp = x;
+        }
+    }
+}
+/* In place: row r of a 64-row tile set times rs[r] (the thread's own pieces). */
+template <int NT> static __device__ __forceinline__ void fq_scale_tiles(unsigned char *dst, const float *rs)
+{
+    for (int idx = threadIdx.x; idx < 64 * NT * 8; idx += blockDim.x) {
+        uint4 *pp = fq_tile_piece<NT>(dst, idx);
+        const float f = rs[idx / (NT * 8)];
+        uint4 x = *pp;
+        uint32_t *xs = (uint32_t *)&x;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float2 f2 = fq_unpack_bf16(xs[q]);
+            xs[q] = fq_pack_bf16(f2.x * f, f2.y * f);
+        }
+        *pp = x;
+    }
+}
+
+/* bf16 pair at (row, column col, col + 1) of a 64-column tile */
+static __device__ __forceinline__ uint32_t *fq_tile_pair(unsigned char *tile, int row, int col)
+{
+    return (uint32_t *)(tile + fq_sw128(row, 2 * col));
+}
+
+/* Descriptors: K-major (lbo 16, sbo 1024; the K-step kk of a product over
+ * 64 KT columns at (kk / 4) tiles + 32 (kk % 4) bytes) and MN-major (the next
+ * 64 M/N elements a tile away, sbo 1024; K-step kk at 2048 kk bytes). */
+static __device__ __forceinline__ uint64_t fq_dkm(const unsigned char *p)
+{
+    return fq_desc_sw128(fq_smem_u32(p), 16, 1024);
+}
+static __device__ __forceinline__ uint64_t fq_dmn(const unsigned char *p)
+{
+    return fq_desc_sw128(fq_smem_u32(p), FQ_WY_TILE, 1024);
+}
+static __device__ __forceinline__ uint64_t fq_dat(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
+static __device__ __forceinline__ uint32_t fq_koff(int kk) { return (kk >> 2) * FQ_WY_TILE + 32 * (kk & 3); }
+
+template <int TA, int TB>
+static __device__ __forceinline__ void fq_wg_ss(float (&d)[32], uint64_t da, uint64_t db, int acc)
+{
+    fq_wgmma_ss_n64<TA, TB>(d, da, db, acc);
+}
+template <int TA, int TB>
+static __device__ __forceinline__ void fq_wg_ss(float (&d)[16], uint64_t da, uint64_t db, int acc)
+{
+    fq_wgmma_ss_n32<TA, TB>(d, da, db, acc);
+}
+
+/* acc (+)= A B, both K-major, over KS K-steps of 16 (A's and B's column tiles consecutive) */
+template <int KS, int NR>
+static __device__ __forceinline__ void fq_mm_kk(float (&acc)[NR], const unsigned char *a, const unsigned char *b,
+                                                int accumulate)
+{
+    const uint64_t da = fq_dkm(a), db = fq_dkm(b);
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) fq_wg_ss<0, 0>(acc, fq_dat(da, fq_koff(kk)), fq_dat(db, fq_koff(kk)), accumulate || kk > 0);
+}
+/* acc (+)= A B over 64 (one tile of reduction rows): TA / TB 1 = MN-major */
+template <int TA, int TB, int NR>
+static __device__ __forceinline__ void fq_mm_64(float (&acc)[NR], const unsigned char *a, const unsigned char *b,
+                                                int accumulate)
+{
+    const uint64_t da = TA ? fq_dmn(a) : fq_dkm(a), db = TB ? fq_dmn(b) : fq_dkm(b);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        fq_wg_ss<TA, TB>(acc, fq_dat(da, TA ? 2048 * kk : 32 * kk), fq_dat(db, TB ? 2048 * kk : 32 * kk),
+                         accumulate || kk > 0);
+}
+template <int NR> static __device__ __forceinline__ void fq_wait_all(float (&x)[NR])
+{
+    fq_wgmma_commit();
+    fq_wgmma_wait<0>();
+    fq_reg_fence(x);
+}
+
+static __device__ __forceinline__ float fq_quad_sum90(float x)
+{
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x;
+}
+#endif
+
+__global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
+{
+#if FQ_SM90A
+    constexpr int K = 128, V = 128;
+    typedef fq_wy90_smem SM;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
+    unsigned char *sK = smem + SM::off_k, *sVn = smem + SM::off_vn, *sdVn = smem + SM::off_dvn;
+    unsigned char *sH = smem + SM::off_h, *sdS = smem + SM::off_ds, *sV = smem + SM::off_v;
+    unsigned char *sA = smem + SM::off_a, *sdAt = smem + SM::off_dat, *sM1 = smem + SM::off_m1;
+    unsigned char *sGl = smem + SM::off_gl;
+    float *sg = (float *)(smem + SM::off_vec), *seg = sg + 64, *sb = sg + 128, *sm = sg + 192;
+    float *sdg = sg + 256, *srk = sg + 320;
+    /* Deterministic reductions, as fq_bwd_wy_kernel: row sums slot [u][row]
+     * (the two warpgroups' column halves), column sums slot [w][column] (the
+     * four row quarters), block sums slot [warp]. */
+    float *srowp = sg + 384, *sdgp = sg + 512, *sdbp = sg + 640, *scz = sg + 768, *sred = sg + 1024;
+
+    const int c = blockIdx.x, hq = blockIdx.y, HV = a.HV, H = a.H, G = HV / H;
+    const fq_chunk_info ci = a.chunks[c];
+    if (ci.seq < 0) return;
+    const int len = ci.len, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3, u = warp >> 2, w = warp & 3;
+    const int64_t qrow = (int64_t)ci.row0 * H + hq;
+
+    if (tid < 64) {
+        srk[tid] = (a.rk && tid < len) ? a.rk[(int64_t)(ci.row0 + tid) * H + hq] : 1.f;
+        srowp[tid] = srowp[64 + tid] = 0.f;
+    }
+    fq_async_tiles<2>(sK, a.kb + qrow * K, (int64_t)H * K, 64, len);
+
+    float dK[32]; /* columns kd = 64 u + 8 nb + 2 t + e % 2 */
+#pragma unroll
+    for (int i = 0; i < 32; i++) dK[i] = 0.f;
+
+    for (int jj = 0; jj < G; jj++) {
+        const int j = hq * G + jj;
+        const int64_t tile = (int64_t)c * HV + j;
+        if (jj > 0) __syncthreads(); /* the previous head is done with every buffer */
+        if (tid < 64) {
+            const float gm = a.gamma[tile * 64 + tid], gC = a.gamma[tile * 64 + 63];
+            const bool ok = tid < len;
+            sg[tid] = gm;
+            seg[tid] = ok ? __expf(gm) : 0.f;
+            sm[tid] = ok ? __expf(gC - gm) : 0.f;
+            sb[tid] = ok ? fq_ld_f(a.beta, a.gdt, (int64_t)(ci.row0 + tid) * HV + j) : 0.f;
+            sdg[tid] = a.dgam[tile * 64 + tid];
+            sdgp[tid] = sdgp[64 + tid] = sdbp[tid] = sdbp[64 + tid] = 0.f;
+            scz[tid] = scz[64 + tid] = scz[128 + tid] = scz[192 + tid] = 0.f;
+        }
+        const float gC_all = a.gamma[tile * 64 + 63]; /* every thread: causality, below */
+        fq_async_tiles<2>(sVn, a.vn + tile * 64 * V, V, 64, 64);
+        fq_async_tiles<2>(sdVn, a.dvl + tile * 64 * V, V, 64, 64);
+        fq_async_tiles<1>(sA, a.a + tile * 64 * 64, 64, 64, 64);
+        fq_async_tiles<1>(sH, a.h + tile * K * V, V, K, K);
+        fq_async_tiles<1>(sdS, a.dsl + tile * K * V, V, K, K);
+        fq_cp_async_commit();
+        fq_cp_async_wait<0>();
+        /* causality (issue 9), as fq_bwd_wy_kernel: dVn's non-finite elements
+         * to zero unless gamma_C is not finite (then dv stays NaN) */
+        if (isfinite(gC_all)) fq_finite_tiles<2>(sdVn, 64);
+        __syncthreads(); /* srk and the vectors */
+        if (jj == 0 && a.rk) fq_scale_tiles<2>(sK, srk);
+        if (len < 64) { /* A's padding rows/columns -> identity */
+            for (int idx = tid; idx < 64 * 64; idx += blockDim.x) {
+                const int r = idx >> 6, s = idx & 63;
+                if (r >= len || s >= len)
+                    *(fq_bf16 *)(sA + fq_sw128(r, 2 * s)) = __float2bfloat16_rn(r == s ? 1.f : 0.f);
+            }
+        }
+        fq_fence_async_smem();
+        __syncthreads();
+
+        /* ---- F1 = Vn dS'^T:  dK += diag(m) F1,  x = rowsum(F1 ⊙ K);
+         *      dW = -dVn S^T;  <S, dS'> */
+        float F1[32], dW[32], sdot = 0.f;
+        for (int vh = 0; vh < 2; vh++) { /* the halves of v, the reduction */
+            if (vh) {
+                __syncthreads(); /* every warpgroup's reads of the first halves done */
+                fq_async_tiles<1>(sH, a.h + tile * K * V + 64, V, K, K);
+                fq_async_tiles<1>(sdS, a.dsl + tile * K * V + 64, V, K, K);
+                fq_cp_async_commit();
+                fq_cp_async_wait<0>();
+                fq_fence_async_smem();
+                __syncthreads();
+            }
+            fq_wgmma_fence();
+            {
+                const uint64_t dvn = fq_dkm(sVn + vh * FQ_WY_TILE), ddvn = fq_dkm(sdVn + vh * FQ_WY_TILE);
+                const uint64_t dds = fq_dkm(sdS + u * FQ_WY_TILE), dh = fq_dkm(sH + u * FQ_WY_TILE);
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) fq_wg_ss<0, 0>(F1, fq_dat(dvn, 32 * kk), fq_dat(dds, 32 * kk), vh || kk);
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) fq_wg_ss<0, 0>(dW, fq_dat(ddvn, 32 * kk), fq_dat(dh, 32 * kk), vh || kk);
+            }
+            fq_wgmma_commit();
+#pragma unroll 1
+            for (int idx = tid; idx < K * 64 / 8; idx += blockDim.x) {
+                const uint4 hv = ((const uint4 *)sH)[idx], dv = ((const uint4 *)sdS)[idx];
+                const uint32_t *hs = (const uint32_t *)&hv, *ds = (const uint32_t *)&dv;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const float2 x = fq_unpack_bf16(hs[q]), y = fq_unpack_bf16(ds[q]);
+                    sdot += x.x * y.x + x.y * y.y;
+                }
+            }
+            fq_wgmma_wait<0>();
+            fq_reg_fence(F1);
+            fq_reg_fence(dW);
+        }
+        float xr[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + g + 8 * h, cl = 8 * nb + 2 * t;
+                const float2 kv = fq_unpack_bf16(*fq_tile_pair(sK + u * FQ_WY_TILE, r, cl));
+                const float f0 = F1[4 * nb + 2 * h], f1 = F1[4 * nb + 2 * h + 1];
+                dK[4 * nb + 2 * h] += sm[r] * f0;
+                dK[4 * nb + 2 * h + 1] += sm[r] * f1;
+                xr[h] += f0 * kv.x + f1 * kv.y;
+            }
+        {
+            const float x0 = fq_quad_sum90(xr[0]), x1 = fq_quad_sum90(xr[1]);
+            float mx = 0.f;
+            if (t == 0) {
+                const int r0 = 16 * w + g;
+                sdgp[64 * u + r0] -= sm[r0] * x0;
+                sdgp[64 * u + r0 + 8] -= sm[r0 + 8] * x1;
+                mx = sm[r0] * x0 + sm[r0 + 8] * x1;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                mx += __shfl_xor_sync(0xffffffffu, mx, o);
+                sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
+            }
+            if (lane == 0) {
+                sred[warp] = sdot;
+                sred[8 + warp] = mx;
+            }
+        }
+        __syncthreads(); /* every warpgroup's reads of Vn, h, dS' done */
+        /* V rows into the (h, dS') place; its non-finite elements to zero (causality, as fq_bwd_wy_kernel) */
+        fq_async_tiles<2>(sV, a.vb + ((int64_t)ci.row0 * HV + j) * V, (int64_t)HV * V, 64, len);
+        fq_cp_async_commit();
+        /* -dW (bf16) over Vn: [r][kd], warpgroup u's columns in tile u */
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++) {
+            const int r = 16 * w + g, cl = 8 * nb + 2 * t;
+            *fq_tile_pair(sVn + u * FQ_WY_TILE, r, cl) = fq_pack_bf16(-dW[4 * nb], -dW[4 * nb + 1]);
+            *fq_tile_pair(sVn + u * FQ_WY_TILE, r + 8, cl) = fq_pack_bf16(-dW[4 * nb + 2], -dW[4 * nb + 3]);
+        }
+        fq_cp_async_wait<0>();
+        fq_finite_tiles<2>(sV, 64);
+        fq_fence_async_smem();
+        __syncthreads();
+
+        /* F2 = A^T dW:  dK += diag(b e^g) F2;  xw = rowsum(F2 ⊙ K): db += e^g xw, dgamma += b e^g xw
+         * F3 = A^T dU:  dv = diag(b) F3;  db += rowsum(F3 ⊙ V) */
+        {
+            float F2[32], F3[32];
+            fq_wgmma_fence();
+            fq_mm_64<1, 1>(F2, sA, sVn + u * FQ_WY_TILE, 0);
+            fq_mm_64<1, 1>(F3, sA, sdVn + u * FQ_WY_TILE, 0);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(F2);
+            fq_reg_fence(F3);
+            float xw[2] = {0.f, 0.f}, xv[2] = {0.f, 0.f};
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * w + g + 8 * h, cl = 8 * nb + 2 * t, col = 64 * u + cl;
+                    const float2 kv = fq_unpack_bf16(*fq_tile_pair(sK + u * FQ_WY_TILE, r, cl));
+                    const float2 vv = fq_unpack_bf16(*fq_tile_pair(sV + u * FQ_WY_TILE, r, cl));
+                    const float f0 = F2[4 * nb + 2 * h], f1 = F2[4 * nb + 2 * h + 1];
+                    dK[4 * nb + 2 * h] += sb[r] * seg[r] * f0;
+                    dK[4 * nb + 2 * h + 1] += sb[r] * seg[r] * f1;
+                    xw[h] += f0 * kv.x + f1 * kv.y;
+                    const float x0 = F3[4 * nb + 2 * h], x1 = F3[4 * nb + 2 * h + 1];
+                    if (r < len)
+                        fq_st_f2(a.dv, a.dt, ((int64_t)(ci.row0 + r) * HV + j) * V + col, sb[r] * x0, sb[r] * x1);
+                    xv[h] += x0 * vv.x + x1 * vv.y;
+                }
+            const float w0 = fq_quad_sum90(xw[0]), w1 = fq_quad_sum90(xw[1]);
+            const float v0 = fq_quad_sum90(xv[0]), v1 = fq_quad_sum90(xv[1]);
+            if (t == 0) {
+                const int r0 = 16 * w + g, r1 = r0 + 8;
+                sdbp[64 * u + r0] += seg[r0] * w0;
+                sdbp[64 * u + r1] += seg[r1] * w1;
+                sdgp[64 * u + r0] += sb[r0] * seg[r0] * w0;
+                sdgp[64 * u + r1] += sb[r1] * seg[r1] * w1;
+                sdbp[64 * u + r0] += v0;
+                sdbp[64 * u + r1] += v1;
+            }
+        }
+        /* dA = dW K^T diag(b e^g) + dVn V^T diag(b) -> dA^T (bf16), its
+         * non-finite entries to zero (causality, issue 9, as fq_bwd_wy_kernel) */
+        {
+            float d1[16], d2[16];
+            fq_wgmma_fence();
+            fq_mm_kk<8>(d1, sVn, sK + 4096 * u, 0);
+            fq_mm_kk<8>(d2, sdVn, sV + 4096 * u, 0);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(d1);
+            fq_reg_fence(d2);
+#pragma unroll
+            for (int nb = 0; nb < 4; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = 16 * w + g + 8 * (e >> 1), s = 32 * u + 8 * nb + 2 * t + (e & 1);
+                    const float y = d1[4 * nb + e] * (sb[s] * seg[s]) + d2[4 * nb + e] * sb[s];
+                    *(fq_bf16 *)(sdAt + fq_sw128(s, 2 * r)) = __float2bfloat16_rn(isfinite(y) ? y : 0.f);
+                }
+        }
+        fq_fence_async_smem();
+        __syncthreads();
+
+        /* M1 = A^T dA -> sM1 [r][s] */
+        {
+            float m1[16];
+            fq_wgmma_fence();
+            fq_mm_64<1, 0>(m1, sA, sdAt + 4096 * u, 0);
+            fq_wait_all(m1);
+#pragma unroll
+            for (int nb = 0; nb < 4; nb++) {
+                const int r = 16 * w + g, s = 32 * u + 8 * nb + 2 * t;
+                *fq_tile_pair(sM1, r, s) = fq_pack_bf16(m1[4 * nb], m1[4 * nb + 1]);
+                *fq_tile_pair(sM1, r + 8, s) = fq_pack_bf16(m1[4 * nb + 2], m1[4 * nb + 3]);
+            }
+        }
+        fq_fence_async_smem();
+        __syncthreads();
+
+        /* M2 = M1 A^T, dL = -strict_lower(M2); with KK = K K^T and Gamma:
+         *   y = dL ⊙ KK ⊙ Gamma: db += rowsum(y);  z = diag(b) y: dgamma += rowsum(z) - colsum(z)
+         *   Gl = diag(b) dL ⊙ Gamma (strict lower) -> sGl, for dK += (Gl + Gl^T) K */
+        {
+            float m2[16], kk[16];
+            fq_wgmma_fence();
+            fq_mm_64<0, 0>(m2, sM1, sA + 4096 * u, 0);
+            fq_mm_kk<8>(kk, sK, sK + 4096 * u, 0);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(m2);
+            fq_reg_fence(kk);
+            float ry[2] = {0.f, 0.f}, rz[2] = {0.f, 0.f}, cz[4][2];
+#pragma unroll
+            for (int nb = 0; nb < 4; nb++) {
+                cz[nb][0] = cz[nb][1] = 0.f;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * w + g + 8 * h;
+                    float gv[2];
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; e2++) {
+                        const int s = 32 * u + 8 * nb + 2 * t + e2;
+                        gv[e2] = 0.f;
+                        if (r > s) {
+                            const float Gm = __expf(sg[r] - sg[s]);
+                            const float dL = -m2[4 * nb + 2 * h + e2];
+                            const float y = dL * kk[4 * nb + 2 * h + e2] * Gm;
+                            const float z = sb[r] * y;
+                            ry[h] += y;
+                            rz[h] += z;
+                            cz[nb][e2] += z;
+                            gv[e2] = sb[r] * dL * Gm;
+                        }
+                    }
+                    *fq_tile_pair(sGl, r, 32 * u + 8 * nb + 2 * t) = fq_pack_bf16(gv[0], gv[1]);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float y = fq_quad_sum90(ry[h]), z = fq_quad_sum90(rz[h]);
+                if (t == 0) {
+                    sdbp[64 * u + 16 * w + g + 8 * h] += y;
+                    sdgp[64 * u + 16 * w + g + 8 * h] += z;
+                }
+            }
+#pragma unroll
+            for (int nb = 0; nb < 4; nb++)
+#pragma unroll
+                for (int e2 = 0; e2 < 2; e2++) {
+                    float z = cz[nb][e2];
+                    z += __shfl_xor_sync(0xffffffffu, z, 4);
+                    z += __shfl_xor_sync(0xffffffffu, z, 8);
+                    z += __shfl_xor_sync(0xffffffffu, z, 16);
+                    if (g == 0) scz[64 * w + 32 * u + 8 * nb + 2 * t + e2] = z;
+                }
+        }
+        fq_fence_async_smem();
+        __syncthreads(); /* Gl complete; dgamma, db of this head complete */
+
+        /* dK += Gl K + Gl^T K */
+        fq_wgmma_fence();
+        fq_mm_64<0, 1>(dK, sGl, sK + u * FQ_WY_TILE, 1);
+        fq_mm_64<1, 1>(dK, sGl, sK + u * FQ_WY_TILE, 1);
+        fq_wgmma_commit();
+
+        /* dg = reverse cumsum of dgamma; dbeta (warp 0: two rows per lane), as fq_bwd_wy_kernel */
+        if (warp == 0) {
+            float x[2], db[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int r = 2 * lane + e;
+                x[e] = sdg[r] + sdgp[r] + sdgp[64 + r] - (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
+                db[e] = sdbp[r] + sdbp[64 + r];
+                if (r == len - 1) {
+                    float dot = 0.f, mx = 0.f;
+                    for (int q = 0; q < 8; q++) {
+                        dot += sred[q];
+                        mx += sred[8 + q];
+                    }
+                    x[e] += __expf(sg[63]) * dot + mx;
+                }
+            }
+            /* dg_r = sum_{s >= r} dgamma_s (never suf - pair: fq_bwd_wy_kernel says why) */
+            const float x0 = x[0], x1 = x[1];
+            float suf = x0 + x1;
+            for (int o = 1; o < 32; o <<= 1) {
+                const float yv = __shfl_down_sync(0xffffffffu, suf, o);
+                if (lane + o < 32) suf += yv;
+            }
+            float after = __shfl_down_sync(0xffffffffu, suf, 1);
+            if (lane == 31) after = 0.f;
+            const float e1 = after + x1, e0 = e1 + x0;
+            const int64_t o0 = (int64_t)(ci.row0 + 2 * lane) * HV + j;
+            if (2 * lane < len) {
+                fq_st_f(a.dg, a.gdt, o0, e0);
+                fq_st_f(a.dbeta, a.gdt, o0, db[0]);
+            }
+            if (2 * lane + 1 < len) {
+                fq_st_f(a.dg, a.gdt, o0 + HV, e1);
+                fq_st_f(a.dbeta, a.gdt, o0 + HV, db[1]);
+            }
+        }
+        fq_wgmma_wait<0>();
+        fq_reg_fence(dK);
+    }
+
+    /* dk_hat = sum over the group of (this stage's dK + bwd_local's dK_O);
+     * then the L2-norm backward, and dk in the input dtype. */
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+            if (r < len) {
+                const float2 p = *(const float2 *)(a.dkp + ((int64_t)(ci.row0 + r) * H + hq) * K + col);
+                dK[4 * nb + 2 * h] += p.x;
+                dK[4 * nb + 2 * h + 1] += p.y;
+            }
+        }
+    if (a.rk) {
+        float dot[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+                if (r < len) {
+                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
+                    dot[h] += srk[r] * (fq_ld_f(a.k, a.dt, o) * dK[4 * nb + 2 * h] +
+                                        fq_ld_f(a.k, a.dt, o + 1) * dK[4 * nb + 2 * h + 1]);
+                }
+            }
+        const float d0 = fq_quad_sum90(dot[0]), d1 = fq_quad_sum90(dot[1]);
+        if (t == 0) {
+            srowp[64 * u + 16 * w + g] = d0;
+            srowp[64 * u + 16 * w + g + 8] = d1;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+            if (r < len) {
+                const int64_t o = (qrow + (int64_t)r * H) * K + col;
+                float y0 = dK[4 * nb + 2 * h], y1 = dK[4 * nb + 2 * h + 1];
+                if (a.rk) {
+                    const float rr = srk[r], dt = srowp[r] + srowp[64 + r];
+                    y0 = rr * (y0 - rr * fq_ld_f(a.k, a.dt, o) * dt);
+                    y1 = rr * (y1 - rr * fq_ld_f(a.k, a.dt, o + 1) * dt);
+                }
+                fq_st_f2(a.dk, a.dt, o, y0, y1);
+            }
+        }
+#endif
+}
+
+/* 1 where this device runs the sm_90a kernel (compute capability 9 and the
+ * sm_90a code loaded, not the PTX fallback); FLASHQLA_CUDA_BWD_WY90=0 (read
+ * once) turns it off, for timing and testing the mma.sync kernel on Hopper. */
+static int fq_bwd_wy90_available(void)
+{
+    static int env = -1;
+    static signed char per_dev[64]; /* 0 unknown, 1 yes, 2 no */
+    if (env < 0) {
+        const char *e = getenv("FLASHQLA_CUDA_BWD_WY90");
+        env = !(e && strcmp(e, "0") == 0);
+    }
+    if (!env) return 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+    if (per_dev[dev] == 0) {
+        int major = 0;
+        cudaFuncAttributes fa;
+        const int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                       major == 9 && cudaFuncGetAttributes(&fa, (const void *)fq_bwd_wy90_kernel) == cudaSuccess &&
+                       fa.ptxVersion >= 90;
+        if (!ok) cudaGetLastError();
+        per_dev[dev] = ok ? 1 : 2;
+    }
+    return per_dev[dev] == 1;
+}
+
+fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream, int *done)
+{
+    *done = 0;
+    if (p->K != 128 || p->V != 128 || !fq_bwd_wy90_available()) return FQ_OK;
+    const int bytes = fq_wy90_smem::bytes;
+    const void *fn = (const void *)fq_bwd_wy90_kernel;
+    fq_status st = fq_cuda_set_smem(fn, bytes);
+    if (st != FQ_OK) return st;
+    /* two blocks per SM need the largest shared-memory carveout (a hint) */
+    if ((st = fq_cuda_func_attr(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100)) != FQ_OK) return st;
+    fq_bwd_wy90_kernel<<<dim3((unsigned)nc, (unsigned)p->H), 256, bytes, stream>>>(a);
+    FQ_CUDA_CHECK_LAUNCH();
+    *done = 1;
+    return FQ_OK;
+}
