@@ -307,13 +307,15 @@ def test_cuda_forward_path_is_the_three_stage_one():
 def test_cuda_causality_on_the_three_stage_forward():
     """The causality tests above again on the three-stage forward (blocked
     stage A, stage B, stage C: the forward off sm_90a), which
-    FLASHQLA_CUDA_FUSED_FWD=0 selects on the H200 too. In a subprocess (the
+    FLASHQLA_CUDA_FUSED_FWD=0 selects on the H200 too, with the backward's
+    mma.sync local kernels (FLASHQLA_CUDA_BWD_SM90=0). In a subprocess (the
     choice is read once per process). (CUDA_FORCE_PTX_JIT=1 would select it as
     well, but PyTorch's own kernels then fail: its wheel carries no PTX for
     them; dev/cuda/run_check_fwd.sh runs the JIT-compiled fallback.)"""
     if os.environ.get("FLASHQLA_CUDA_FUSED_FWD") == "0":
         pytest.skip("already inside the subprocess")
-    env = dict(os.environ, FLASHQLA_CUDA_FUSED_FWD="0")
+    # (and the backward's mma.sync local kernels, which serve off sm_90a too)
+    env = dict(os.environ, FLASHQLA_CUDA_FUSED_FWD="0", FLASHQLA_CUDA_BWD_SM90="0")
     if _fused_forward_runs():
         env["FLASHQLA_TEST_FUSED_FWD_WS"] = str(_fwd_workspace_bytes())
     sel = ("test_cuda_nan_does_not_reach_earlier_tokens_of_its_chunk or "

@@ -67,7 +67,7 @@
  *     timing the alternatives);
  *   5 + 6 for dk: bwd_wy (gdn_cuda_bwd_fused.cu), the same scheme as
  *     bwd_local, dk finished in the block; at K = V = 128 on sm_90a the same
- *     block with wgmma products (gdn_cuda_bwd_wy_sm90.cu).
+ *     block with wgmma products (gdn_cuda_bwd_fused_sm90.cu, as bwd_local there).
  * Versions 1-5 (unfused kernels, a separate dq/dk reduction, earlier reverse
  * state passes) were removed once superseded: see benchmarks/NOTES.md and git
  * history (commit 4599409).

@@ -132,9 +132,12 @@ fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, cons
  * over the GVA group; also finishes dk (GVA sum of the dK_O partials in
  * a.dkp, L2-norm backward). */
 fq_status fq_bwd_wy_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
-/* bwd_wy on sm_90a (gdn_cuda_bwd_wy_sm90.cu): the same block and results with
- * wgmma products, K = V = 128; *done = 0 (and nothing launched) where it does
- * not apply (other sizes, no sm_90a code, FLASHQLA_CUDA_BWD_WY90=0). */
+/* bwd_local and bwd_wy on sm_90a (gdn_cuda_bwd_fused_sm90.cu): the same blocks
+ * and results with wgmma products, K = V = 128; *done = 0 (and nothing
+ * launched) where they do not apply (other sizes, no sm_90a code,
+ * FLASHQLA_CUDA_BWD_SM90=0). */
+fq_status fq_bwd_local90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream,
+                                int *done);
 fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream, int *done);
 
 #endif /* FQ_GDN_CUDA_BWD_CUH */

@@ -939,6 +939,9 @@ static fq_status fq_bwd_local_launch_kv(const fq_bwd_args &a, int64_t nc, int H,
 fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
 {
     if (nc <= 0) return FQ_OK;
+    int done = 0; /* K = V = 128 on sm_90a: the wgmma kernel (gdn_cuda_bwd_fused_sm90.cu) */
+    fq_status st = fq_bwd_local90_launch(p, a, nc, stream, &done);
+    if (st != FQ_OK || done) return st;
     const int H = (int)p->H;
     if (p->K == 128 && p->V == 128) return fq_bwd_local_launch_kv<128, 128, true>(a, nc, H, stream);
     if (p->K == 128 && p->V == 64) return fq_bwd_local_launch_kv<128, 64, true>(a, nc, H, stream);
@@ -964,7 +967,7 @@ static fq_status fq_bwd_wy_launch_kv(const fq_bwd_args &a, int64_t nc, int H, cu
 fq_status fq_bwd_wy_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream)
 {
     if (nc <= 0) return FQ_OK;
-    int done = 0; /* K = V = 128 on sm_90a: the wgmma kernel (gdn_cuda_bwd_wy_sm90.cu) */
+    int done = 0; /* K = V = 128 on sm_90a: the wgmma kernel (gdn_cuda_bwd_fused_sm90.cu) */
     fq_status st = fq_bwd_wy90_launch(p, a, nc, stream, &done);
     if (st != FQ_OK || done) return st;
     const int H = (int)p->H;

@@ -32,6 +32,8 @@ for cfg in 16:1 32:1 32:2 64:1 64:2; do
   echo "--- FLASHQLA_CUDA_BWD_STATE=$cfg"
   FLASHQLA_CUDA_BWD_STATE=$cfg OMP_NUM_THREADS=$(nproc) timeout 30 $B/check_bwd small 2>&1 | tail -3
 done
+echo "--- FLASHQLA_CUDA_BWD_SM90=0 (the mma.sync local kernels, as off sm_90a)"
+FLASHQLA_CUDA_BWD_SM90=0 OMP_NUM_THREADS=$(nproc) timeout 60 $B/check_bwd small 2>&1 | tail -3
 if command -v compute-sanitizer >/dev/null; then
   echo "=== memcheck, small"
   timeout 40 compute-sanitizer --tool memcheck $B/check_bwd small 2>&1 | tail -6 | tee $OUTDIR/memcheck_bwd.log

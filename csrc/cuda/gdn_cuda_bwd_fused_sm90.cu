@@ -1,49 +1,28 @@
 /*
- * gdn_cuda_bwd_wy_sm90.cu — bwd_wy (step 5 of gdn_cuda_bwd.cu) on sm_90a,
- * K = V = 128: the equations, epilogues, deterministic reduction slots and
- * causality selects of fq_bwd_wy_kernel (gdn_cuda_bwd_fused.cu, which keeps
- * every other head size and the compute_80 PTX path), with each product a
- * warpgroup wgmma reading both operands from shared memory.
+ * gdn_cuda_bwd_fused_sm90.cu — the backward's two local kernels, bwd_local
+ * (step 3 of gdn_cuda_bwd.cu) and bwd_wy (step 5), on sm_90a at K = V = 128:
+ * the equations, epilogues, deterministic reduction slots and causality
+ * selects of fq_bwd_local_kernel and fq_bwd_wy_kernel (gdn_cuda_bwd_fused.cu,
+ * which keeps every other head size and the compute_80 PTX path), with each
+ * product a warpgroup wgmma reading its operands from shared memory (one,
+ * dS_local's, with its A operand from registers).
  *
- * Forward lines differentiated (per chunk, value head; DESIGN §2):
- *   S' = e^{g_C} S + K^T diag(e^{g_C - g}) Vn   -> dK += diag(m) Vn dS'^T,
- *        dgamma_r -= m_r x_r, dgamma_C += sum_r m_r x_r + e^{g_C} <S, dS'>
- *   Vn = U - W S                                -> dW = -dVn S^T, dU = dVn
- *   W  = A diag(b e^g) K                        -> dK += diag(b e^g) A^T dW, ...
- *   U  = A diag(b) V                            -> dV = diag(b) A^T dU, ...
- *   A  = (I + L)^-1                             -> dL = -strict_lower(A^T dA A^T)
- *   L  = strict_lower(diag(b)(K K^T ⊙ Gamma))   -> db, dK += (G + G^T) K, dgamma
- *   gamma = cumsum(g)                           -> dg = reverse cumsum(dgamma)
+ * Both: one block of two warpgroups (256 threads) per (chunk, q/k head),
+ * looping over the GVA group's value heads with dQ or dK (64 x K fp32) in
+ * wgmma accumulators; two blocks per SM (~100-110 KB of shared memory each,
+ * 128 registers), so that the loads of one block's phases overlap the other's
+ * products. Warpgroup u owns output columns [64u, 64u + 64) of every 64 x 128
+ * product and [32u, 32u + 32) of every 64 x 64 one; warp w of it rows
+ * [16w, 16w + 16). Accumulator element d[4 nb + e] is row 16 w + g + 8 (e / 2),
+ * column (slice start) + 8 nb + 2 t + e % 2 (gdn_cuda_hopper.cuh).
  *
- * One block of two warpgroups (256 threads) per (chunk, q/k head), looping
- * over the GVA group's value heads with dK (64 x K fp32) in wgmma
- * accumulators: warpgroup u owns output columns [64u, 64u + 64) of every
- * 64 x 128 product and [32u, 32u + 32) of every 64 x 64 one; warp w of it
- * rows [16w, 16w + 16). Accumulator element d[4 nb + e] is row
- * 16 w + g + 8 (e / 2), column (slice start) + 8 nb + 2 t + e % 2
- * (gdn_cuda_hopper.cuh).
- *
- * Two blocks per SM (~110 KB of shared memory each, 128 registers): the
- * loads of one block's phases overlap the other's products. Shared memory:
- * 64-row bf16 matrices as SWIZZLE_128B tiles of 64 columns (tile i: columns
- * 64 i ..); the 128-row h and dS' by halves of v (F1 and dW accumulate over
- * the two), each half two tiles (tile row / 64); V then in their place, Gl
- * in dA^T's; all loaded by cp.async into their swizzled places. One tile serves as a K-major operand (rows = M or N) or an
- * MN-major one (rows = the reduction), so no transposed copies: only dA is
- * stored transposed (dA^T [s'][s]) so that M1 = A^T dA has a K-major B whose
- * 32-row half is a plain row offset.
- *
- *   product                 A (major)              B (major)
- *   F1 = Vn dS'^T           Vn [r][v] (K)          dS' [kd][v] (K)
- *   dW = dVn S^T (negated)  dVn [r][v] (K)         h [kd][v] (K)
- *   F2 = A^T dW             A [s][r] (MN)          dW [s][kd] (MN)
- *   F3 = A^T dU             A [s][r] (MN)          dVn [s][v] (MN)
- *   d1 = dW K^T             dW [r][kd] (K)         K [s][kd] (K)
- *   d2 = dVn V^T            dVn [r][v] (K)         V [s][v] (K)
- *   M1 = A^T dA             A [s][r] (MN)          dA^T [s'][s] (K)
- *   M2 = M1 A^T             M1 [r][s] (K)          A [s'][s] (K)
- *   KK = K K^T              K [r][kd] (K)          K [s][kd] (K)
- *   dK += Gl K + Gl^T K     Gl [r][s] (K), (MN)    K [s][kd] (MN)
+ * Shared memory: 64-row bf16 matrices as SWIZZLE_128B tiles of 64 columns
+ * (tile i: columns 64 i ..), 128-row ones (h, dS') as tiles by row block
+ * too; all loaded by cp.async into their swizzled places. One tile serves as
+ * a K-major operand (rows = M or N) or an MN-major one (rows = the
+ * reduction), so no transposed copies: only bwd_wy's dA is stored transposed
+ * (dA^T [s'][s]) so that M1 = A^T dA has a K-major B whose 32-row half is a
+ * plain row offset.
  */
 #include "gdn_cuda_bwd.cuh"
 #include "gdn_cuda_hopper.cuh"
@@ -193,6 +172,363 @@ static __device__ __forceinline__ float fq_quad_sum90(float x)
     return x;
 }
 #endif
+
+/* ============================================================ bwd_local ==== */
+
+/* Forward line:  O = scale (diag(e^g) Q S + P Vn),  P = lower_incl(Q K^T ⊙ Gamma)
+ *   dv_local = scale P^T dO                          (bf16 -> a.dvl, for bwd_state)
+ *   dP       = scale (dO Vn^T) ⊙ Gamma (lower incl.);  Z = dP ⊙ Q K^T
+ *   F        = diag(scale e^g) dO S^T
+ *   dQ       = F + dP K                (summed over the GVA group in registers)
+ *   dK_O     = dP^T Q                  (summed likewise -> a.dkp, group slot)
+ *   dgamma   = rowsum(F ⊙ Q) + rowsum(Z) - colsum(Z)           (-> a.dgam)
+ *   dS_local = Q^T diag(scale e^g) dO  (K x V, bf16 -> a.dsl, for bwd_state)
+ * then dq = r (dq_hat - q_hat (q_hat . dq_hat)) with use_qk_l2norm.
+ *
+ *   product                 A (major)                       B (major)
+ *   QK = Q K^T              Q [r][kd] (K)                   K [s][kd] (K)
+ *   dV = dO Vn^T            dO [r][v] (K)                   Vn [s][v] (K)
+ *   dS_local                (Q^T diag(scale e^g)) registers dO [r][v] (MN)
+ *   F = dO S^T              dO [r][v] (K)                   h [kd][v] (K)
+ *   dQ += dP K              dP [r][s] (K)                   K [s][kd] (MN)
+ *   dK_O = dP^T Q           dP [r][s] (MN)                  Q [r][kd] (MN)
+ *   dv_local = P^T dO       P [r][s] (MN)                   dO [r][v] (MN)  */
+struct fq_local90_smem {
+    static constexpr int off_q = 0;                        /* Q (rows scaled by rq) [r][kd] */
+    static constexpr int off_k = off_q + 2 * FQ_WY_TILE;   /* K (rows scaled by rk) [s][kd] */
+    static constexpr int off_do = off_k + 2 * FQ_WY_TILE;  /* dO [r][v]                     */
+    static constexpr int off_vn = off_do + 2 * FQ_WY_TILE; /* Vn [s][v], then P | dP [r][s] */
+    static constexpr int off_h = off_vn + 2 * FQ_WY_TILE;  /* h = S [kd][v], 4 tiles        */
+    static constexpr int off_vec = off_h + 4 * FQ_WY_TILE;
+    static constexpr int bytes = off_vec + 640 * 4 + 1024; /* + alignment slack */
+    static_assert(2 * (bytes + 1024) <= 228 * 1024, "two blocks per SM");
+};
+
+__global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
+{
+#if FQ_SM90A
+    constexpr int K = 128, V = 128;
+    typedef fq_local90_smem SM;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
+    unsigned char *sQ = smem + SM::off_q, *sK = smem + SM::off_k, *sdO = smem + SM::off_do;
+    unsigned char *sVn = smem + SM::off_vn, *sP = sVn, *sdP = sVn + FQ_WY_TILE, *sH = smem + SM::off_h;
+    float *sg = (float *)(smem + SM::off_vec), *sfo = sg + 64, *srq = sg + 128, *srk = sg + 192;
+    /* deterministic reductions as in fq_bwd_local_kernel: row-sum slots [u][row],
+     * column-sum slots [w][column] */
+    float *srowp = sg + 256, *sdgp = sg + 384, *scz = sg + 512;
+
+    const int c = blockIdx.x, hq = blockIdx.y, HV = a.HV, H = a.H, G = HV / H;
+    const fq_chunk_info ci = a.chunks[c];
+    if (ci.seq < 0) return;
+    const int len = ci.len, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3, u = warp >> 2, w = warp & 3;
+    const int64_t qrow = (int64_t)ci.row0 * H + hq;
+
+    if (tid < 64) {
+        float rq = 1.f, rk = 1.f;
+        if (a.rq && tid < len) {
+            rq = a.rq[(int64_t)(ci.row0 + tid) * H + hq];
+            rk = a.rk[(int64_t)(ci.row0 + tid) * H + hq];
+        }
+        srq[tid] = rq;
+        srk[tid] = rk;
+        srowp[tid] = srowp[64 + tid] = 0.f;
+    }
+    fq_async_tiles<2>(sQ, a.qb + qrow * K, (int64_t)H * K, 64, len);
+    fq_async_tiles<2>(sK, a.kb + qrow * K, (int64_t)H * K, 64, len);
+
+    float dQ[32]; /* columns kd = 64 u + 8 nb + 2 t + e % 2 */
+#pragma unroll
+    for (int i = 0; i < 32; i++) dQ[i] = 0.f;
+    /* dK_O is summed over the group in a.dkp ([B*T, H, K]): each thread adds
+     * to the elements it wrote itself for the previous head */
+    float *dko = a.dkp + ((int64_t)ci.row0 * H + hq) * K;
+
+    for (int jj = 0; jj < G; jj++) {
+        const int j = hq * G + jj;
+        const int64_t tile = (int64_t)c * HV + j;
+        if (jj > 0) __syncthreads(); /* the previous head is done with dO, Vn/P/dP, h, the vectors */
+        if (tid < 64) {
+            const float gm = a.gamma[tile * 64 + tid];
+            sg[tid] = gm;
+            sfo[tid] = a.scale * __expf(gm);
+            sdgp[tid] = sdgp[64 + tid] = 0.f;
+        }
+        fq_async_tiles<2>(sVn, a.vn + tile * 64 * V, V, 64, 64);
+        if (a.dout_async) {
+            fq_async_tiles<2>(sdO, (const fq_bf16 *)a.dout + ((int64_t)ci.row0 * HV + j) * V, (int64_t)HV * V, 64, len);
+        } else {
+            for (int idx = tid; idx < 64 * V / 2; idx += blockDim.x) {
+                const int r = idx / (V / 2), col = (idx % (V / 2)) * 2;
+                float x = 0.f, y = 0.f;
+                if (r < len) {
+                    const int64_t o = ((int64_t)(ci.row0 + r) * HV + j) * V + col;
+                    x = fq_ld_f(a.dout, a.dt, o);
+                    y = fq_ld_f(a.dout, a.dt, o + 1);
+                }
+                *fq_tile_pair(sdO + (col >> 6) * FQ_WY_TILE, r, col & 63) = fq_pack_bf16(x, y);
+            }
+        }
+        fq_cp_async_commit();
+        /* h is first needed by dO S^T: its load overlaps the products before */
+        fq_async_tiles<2>(sH, a.h + tile * K * V, V, K, K);
+        fq_cp_async_commit();
+        fq_cp_async_wait<1>();
+        /* causality (issue 9): K's non-finite elements to zero, so that dQ's
+         * dP K never multiplies a structural zero of dP by a NaN of a later
+         * token (after the scaling with use_qk_l2norm, whose rk of a NaN row is NaN) */
+        if (jj == 0 && !a.rq) fq_finite_tiles<2>(sK, 64);
+        __syncthreads();
+        if (jj == 0 && a.rq) {
+            fq_scale_tiles<2>(sQ, srq);
+            fq_scale_tiles<2>(sK, srk);
+            fq_finite_tiles<2>(sK, 64);
+        }
+        fq_fence_async_smem();
+        __syncthreads();
+
+        /* Q K^T and dO Vn^T (columns s = 32 u ..); P, dP, Z in registers */
+        uint32_t pp[4][2], dpp[4][2];
+        {
+            float qk[16], dv[16];
+            fq_wgmma_fence();
+            fq_mm_kk<8>(qk, sQ, sK + 4096 * u, 0);
+            fq_mm_kk<8>(dv, sdO, sVn + 4096 * u, 0);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(qk);
+            fq_reg_fence(dv);
+            float rz[2] = {0.f, 0.f}, cz[4][2];
+#pragma unroll
+            for (int nb = 0; nb < 4; nb++) {
+                cz[nb][0] = cz[nb][1] = 0.f;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * w + g + 8 * h;
+                    float pv[2], dpv[2];
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; e2++) {
+                        const int s = 32 * u + 8 * nb + 2 * t + e2;
+                        /* lower_incl by selects (causality: never 0 * a non-finite value) */
+                        const float Gm = __expf(sg[r] - sg[s]);
+                        const float x = qk[4 * nb + 2 * h + e2];
+                        pv[e2] = r >= s ? x * Gm : 0.f;
+                        dpv[e2] = r >= s ? a.scale * dv[4 * nb + 2 * h + e2] * Gm : 0.f;
+                        const float z = r >= s ? dpv[e2] * x : 0.f;
+                        rz[h] += z;
+                        cz[nb][e2] += z;
+                    }
+                    pp[nb][h] = fq_pack_bf16(pv[0], pv[1]);
+                    dpp[nb][h] = fq_pack_bf16(dpv[0], dpv[1]);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float z = fq_quad_sum90(rz[h]);
+                if (t == 0) sdgp[64 * u + 16 * w + g + 8 * h] = z;
+            }
+#pragma unroll
+            for (int nb = 0; nb < 4; nb++)
+#pragma unroll
+                for (int e2 = 0; e2 < 2; e2++) {
+                    float z = cz[nb][e2];
+                    z += __shfl_xor_sync(0xffffffffu, z, 4);
+                    z += __shfl_xor_sync(0xffffffffu, z, 8);
+                    z += __shfl_xor_sync(0xffffffffu, z, 16);
+                    if (g == 0) scz[64 * w + 32 * u + 8 * nb + 2 * t + e2] = z;
+                }
+        }
+        __syncthreads(); /* every warpgroup done with Vn */
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++) {
+            const int s = 32 * u + 8 * nb + 2 * t, r = 16 * w + g;
+            *fq_tile_pair(sP, r, s) = pp[nb][0];
+            *fq_tile_pair(sP, r + 8, s) = pp[nb][1];
+            *fq_tile_pair(sdP, r, s) = dpp[nb][0];
+            *fq_tile_pair(sdP, r + 8, s) = dpp[nb][1];
+        }
+        fq_cp_async_wait<0>();
+        fq_fence_async_smem();
+        __syncthreads();
+
+        /* dS_local = Q^T diag(scale e^g) dO: K x V, warpgroup u the rows kd = 64 u ..,
+         * in two passes of 64 columns; A = (Q^T diag(scale e^g)) from registers:
+         * ldmatrix.trans of Q's tile u (lane l: row r = 16 kk + l % 8 + 8 (m / 2) of
+         * matrix m = l / 8, columns kd 16 w + 8 (m % 2) ..), scaled by sfo[r] */
+#pragma unroll 1
+        for (int ic = 0; ic < 2; ic++) {
+            float acc[32];
+            uint32_t af[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const int m = lane >> 3, rr = 16 * kk + (lane & 7) + 8 * (m >> 1);
+                fq_ldsm_x4_trans(af[kk], fq_smem_u32(sQ + u * FQ_WY_TILE + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
+                const float f0 = sfo[16 * kk + 2 * t], f1 = sfo[16 * kk + 2 * t + 1];
+                const float f8 = sfo[16 * kk + 2 * t + 8], f9 = sfo[16 * kk + 2 * t + 9];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const float2 x = fq_unpack_bf16(af[kk][q]);
+                    af[kk][q] = q < 2 ? fq_pack_bf16(x.x * f0, x.y * f1) : fq_pack_bf16(x.x * f8, x.y * f9);
+                }
+            }
+            fq_wgmma_fence();
+            const uint64_t db = fq_dmn(sdO + ic * FQ_WY_TILE);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<1, 0>(acc, af[kk], fq_dat(db, 2048 * kk), kk > 0);
+            fq_wait_all(acc);
+            fq_bf16 *dst = a.dsl + tile * K * V;
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                const int r = 64 * u + 16 * w + g, col = 64 * ic + 8 * nb + 2 * t;
+                *(uint32_t *)(dst + r * V + col) = fq_pack_bf16(acc[4 * nb], acc[4 * nb + 1]);
+                *(uint32_t *)(dst + (r + 8) * V + col) = fq_pack_bf16(acc[4 * nb + 2], acc[4 * nb + 3]);
+            }
+        }
+        /* F = diag(scale e^g) dO S^T:  dgamma += rowsum(F ⊙ Q);  dQ += F + dP K;  dK_O += dP^T Q */
+        {
+            float acc[32];
+            fq_wgmma_fence();
+            fq_mm_kk<8>(acc, sdO, sH + 2 * u * FQ_WY_TILE, 0);
+            fq_wait_all(acc);
+            float xr[2] = {0.f, 0.f};
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * w + g + 8 * h, cl = 8 * nb + 2 * t;
+                    const float2 qv = fq_unpack_bf16(*fq_tile_pair(sQ + u * FQ_WY_TILE, r, cl));
+                    const float f0 = sfo[r] * acc[4 * nb + 2 * h], f1 = sfo[r] * acc[4 * nb + 2 * h + 1];
+                    xr[h] += f0 * qv.x + f1 * qv.y;
+                    dQ[4 * nb + 2 * h] += f0;
+                    dQ[4 * nb + 2 * h + 1] += f1;
+                }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float x = fq_quad_sum90(xr[h]);
+                if (t == 0) sdgp[64 * u + 16 * w + g + 8 * h] += x;
+            }
+            fq_wgmma_fence();
+            fq_mm_64<0, 1>(dQ, sdP, sK + u * FQ_WY_TILE, 1);
+            fq_mm_64<1, 1>(acc, sdP, sQ + u * FQ_WY_TILE, 0);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(dQ);
+            fq_reg_fence(acc);
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+                    if (r < len) {
+                        float2 *pk = (float2 *)(dko + (int64_t)r * H * K + col);
+                        float2 x = make_float2(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
+                        if (jj > 0) {
+                            const float2 y = *pk;
+                            x.x += y.x;
+                            x.y += y.y;
+                        }
+                        *pk = x;
+                    }
+                }
+        }
+        /* causality (issue 9): does dO hold a non-finite element? (a share
+         * of the tile per thread, reduced by the barrier) */
+        int do_bad_mine = 0;
+        for (int idx = tid; idx < 64 * 16; idx += blockDim.x) do_bad_mine |= fq_bf16x8_nonfinite(*fq_tile_piece<2>(sdO, idx));
+        /* dgamma complete; every warpgroup done with dO for dS_local and F */
+        const int do_bad = __syncthreads_or(do_bad_mine);
+        if (tid < 64)
+            a.dgam[tile * 64 + tid] =
+                sdgp[tid] + sdgp[64 + tid] - (scz[tid] + scz[64 + tid] + scz[128 + tid] + scz[192 + tid]);
+        if (do_bad) { /* causality, rare (block-uniform): dO's non-finite elements to zero for P^T dO */
+            fq_finite_tiles<2>(sdO, 64);
+            fq_fence_async_smem();
+            __syncthreads();
+        }
+
+        /* dv_local = scale P^T dO (last: fq_bwd_local_kernel says why) */
+        {
+            float acc[32];
+            fq_wgmma_fence();
+            fq_mm_64<1, 1>(acc, sP, sdO + u * FQ_WY_TILE, 0);
+            fq_wait_all(acc);
+            fq_bf16 *dst = a.dvl + tile * 64 * V;
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                const int r = 16 * w + g, col = 64 * u + 8 * nb + 2 * t;
+                *(uint32_t *)(dst + r * V + col) = fq_pack_bf16(a.scale * acc[4 * nb], a.scale * acc[4 * nb + 1]);
+                *(uint32_t *)(dst + (r + 8) * V + col) =
+                    fq_pack_bf16(a.scale * acc[4 * nb + 2], a.scale * acc[4 * nb + 3]);
+            }
+        }
+    }
+
+    /* dq = dq_hat, or its L2-norm backward */
+    if (a.rq) {
+        float dot[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+                if (r < len) {
+                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
+                    dot[h] += srq[r] * (fq_ld_f(a.q, a.dt, o) * dQ[4 * nb + 2 * h] +
+                                        fq_ld_f(a.q, a.dt, o + 1) * dQ[4 * nb + 2 * h + 1]);
+                }
+            }
+        const float d0 = fq_quad_sum90(dot[0]), d1 = fq_quad_sum90(dot[1]);
+        if (t == 0) {
+            srowp[64 * u + 16 * w + g] = d0;
+            srowp[64 * u + 16 * w + g + 8] = d1;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+            if (r < len) {
+                const int64_t o = (qrow + (int64_t)r * H) * K + col;
+                float y0 = dQ[4 * nb + 2 * h], y1 = dQ[4 * nb + 2 * h + 1];
+                if (a.rq) {
+                    const float rr = srq[r], dt = srowp[r] + srowp[64 + r];
+                    y0 = rr * (y0 - rr * fq_ld_f(a.q, a.dt, o) * dt);
+                    y1 = rr * (y1 - rr * fq_ld_f(a.q, a.dt, o + 1) * dt);
+                }
+                fq_st_f2(a.dq, a.dt, o, y0, y1);
+            }
+        }
+#endif
+}
+
+/* ================================================================ bwd_wy ==== */
+
+/* Forward lines differentiated (per chunk, value head; DESIGN §2):
+ *   S' = e^{g_C} S + K^T diag(e^{g_C - g}) Vn   -> dK += diag(m) Vn dS'^T,
+ *        dgamma_r -= m_r x_r, dgamma_C += sum_r m_r x_r + e^{g_C} <S, dS'>
+ *   Vn = U - W S                                -> dW = -dVn S^T, dU = dVn
+ *   W  = A diag(b e^g) K                        -> dK += diag(b e^g) A^T dW, ...
+ *   U  = A diag(b) V                            -> dV = diag(b) A^T dU, ...
+ *   A  = (I + L)^-1                             -> dL = -strict_lower(A^T dA A^T)
+ *   L  = strict_lower(diag(b)(K K^T ⊙ Gamma))   -> db, dK += (G + G^T) K, dgamma
+ *   gamma = cumsum(g)                           -> dg = reverse cumsum(dgamma)
+ * h and dS' by halves of v (F1 and dW accumulate over the two), each half
+ * two tiles (row block); V then in their place, Gl in dA^T's.
+ *
+ *   product                 A (major)              B (major)
+ *   F1 = Vn dS'^T           Vn [r][v] (K)          dS' [kd][v] (K)
+ *   dW = dVn S^T (negated)  dVn [r][v] (K)         h [kd][v] (K)
+ *   F2 = A^T dW             A [s][r] (MN)          dW [s][kd] (MN)
+ *   F3 = A^T dU             A [s][r] (MN)          dVn [s][v] (MN)
+ *   d1 = dW K^T             dW [r][kd] (K)         K [s][kd] (K)
+ *   d2 = dVn V^T            dVn [r][v] (K)         V [s][v] (K)
+ *   M1 = A^T dA             A [s][r] (MN)          dA^T [s'][s] (K)
+ *   M2 = M1 A^T             M1 [r][s] (K)          A [s'][s] (K)
+ *   KK = K K^T              K [r][kd] (K)          K [s][kd] (K)
+ *   dK += Gl K + Gl^T K     Gl [r][s] (K), (MN)    K [s][kd] (MN)   */
 
 __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
 {
@@ -588,15 +924,15 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
 #endif
 }
 
-/* 1 where this device runs the sm_90a kernel (compute capability 9 and the
- * sm_90a code loaded, not the PTX fallback); FLASHQLA_CUDA_BWD_WY90=0 (read
- * once) turns it off, for timing and testing the mma.sync kernel on Hopper. */
-static int fq_bwd_wy90_available(void)
+/* 1 where this device runs the sm_90a kernels (compute capability 9 and the
+ * sm_90a code loaded, not the PTX fallback); FLASHQLA_CUDA_BWD_SM90=0 (read
+ * once) turns them off, for timing and testing the mma.sync kernels on Hopper. */
+static int fq_bwd_sm90_available(void)
 {
     static int env = -1;
     static signed char per_dev[64]; /* 0 unknown, 1 yes, 2 no */
     if (env < 0) {
-        const char *e = getenv("FLASHQLA_CUDA_BWD_WY90");
+        const char *e = getenv("FLASHQLA_CUDA_BWD_SM90");
         env = !(e && strcmp(e, "0") == 0);
     }
     if (!env) return 0;
@@ -604,28 +940,46 @@ static int fq_bwd_wy90_available(void)
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
     if (per_dev[dev] == 0) {
         int major = 0;
-        cudaFuncAttributes fa;
+        cudaFuncAttributes fa, fb;
         const int ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
                        major == 9 && cudaFuncGetAttributes(&fa, (const void *)fq_bwd_wy90_kernel) == cudaSuccess &&
-                       fa.ptxVersion >= 90;
+                       fa.ptxVersion >= 90 &&
+                       cudaFuncGetAttributes(&fb, (const void *)fq_bwd_local90_kernel) == cudaSuccess &&
+                       fb.ptxVersion >= 90;
         if (!ok) cudaGetLastError();
         per_dev[dev] = ok ? 1 : 2;
     }
     return per_dev[dev] == 1;
 }
 
+/* one block per (chunk, q/k head), two per SM (the largest shared-memory carveout, a hint) */
+static fq_status fq_bwd_sm90_launch(const void *fn, int bytes, const fq_bwd_args &a, int64_t nc, int H,
+                                    cudaStream_t stream)
+{
+    fq_status st = fq_cuda_set_smem(fn, bytes);
+    if (st != FQ_OK) return st;
+    if ((st = fq_cuda_func_attr(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100)) != FQ_OK) return st;
+    void *args[] = {(void *)&a};
+    FQ_CUDA_CHECK(cudaLaunchKernel(fn, dim3((unsigned)nc, (unsigned)H), dim3(256), args, (size_t)bytes, stream));
+    return FQ_OK;
+}
+
+fq_status fq_bwd_local90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream,
+                                int *done)
+{
+    *done = 0;
+    if (p->K != 128 || p->V != 128 || !fq_bwd_sm90_available()) return FQ_OK;
+    fq_status st = fq_bwd_sm90_launch((const void *)fq_bwd_local90_kernel, fq_local90_smem::bytes, a, nc, (int)p->H,
+                                      stream);
+    *done = st == FQ_OK;
+    return st;
+}
+
 fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream, int *done)
 {
     *done = 0;
-    if (p->K != 128 || p->V != 128 || !fq_bwd_wy90_available()) return FQ_OK;
-    const int bytes = fq_wy90_smem::bytes;
-    const void *fn = (const void *)fq_bwd_wy90_kernel;
-    fq_status st = fq_cuda_set_smem(fn, bytes);
-    if (st != FQ_OK) return st;
-    /* two blocks per SM need the largest shared-memory carveout (a hint) */
-    if ((st = fq_cuda_func_attr(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100)) != FQ_OK) return st;
-    fq_bwd_wy90_kernel<<<dim3((unsigned)nc, (unsigned)p->H), 256, bytes, stream>>>(a);
-    FQ_CUDA_CHECK_LAUNCH();
-    *done = 1;
-    return FQ_OK;
+    if (p->K != 128 || p->V != 128 || !fq_bwd_sm90_available()) return FQ_OK;
+    fq_status st = fq_bwd_sm90_launch((const void *)fq_bwd_wy90_kernel, fq_wy90_smem::bytes, a, nc, (int)p->H, stream);
+    *done = st == FQ_OK;
+    return st;
 }
