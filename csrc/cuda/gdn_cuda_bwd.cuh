@@ -14,6 +14,31 @@
 
 static __device__ __forceinline__ float fq_bf(fq_bf16 x) { return __bfloat162float(x); }
 
+/* Sum over the 4 lanes of a quad (one accumulator row). */
+static __device__ __forceinline__ float fq_quad_sum(float x)
+{
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x;
+}
+
+/* Causality (issue 9): the non-finite elements of one 16-byte piece of bf16
+ * to zero, in place (a select; the piece is rewritten only when it holds one). */
+static __device__ __forceinline__ void fq_zero_nonfinite8(uint4 *pp)
+{
+    uint4 x = *pp;
+    uint32_t *xs = (uint32_t *)&x;
+    if (fq_bf16x8_nonfinite(x)) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const uint32_t y = xs[q] & 0x7f807f80u;
+            xs[q] &= ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) &
+                     ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
+        }
+        *pp = x;
+    }
+}
+
 /* rows x D bf16, global row r at src + r * stride (16-byte aligned), rows >=
  * len zero-filled, by cp.async: every load of the block in flight at once.
  * The caller commits and waits. */
@@ -39,18 +64,7 @@ static __device__ __forceinline__ void fq_finite_rows(fq_bf16 *t, int ld, int ro
 {
     for (int idx = threadIdx.x; idx < rows * (D / 8); idx += blockDim.x) {
         const int r = idx / (D / 8), c = (idx % (D / 8)) * 8;
-        uint4 *pp = (uint4 *)(t + r * ld + c);
-        uint4 x = *pp;
-        uint32_t *xs = (uint32_t *)&x;
-        if (fq_bf16x8_nonfinite(x)) {
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const uint32_t y = xs[q] & 0x7f807f80u;
-                xs[q] &= ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) &
-                         ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
-            }
-            *pp = x;
-        }
+        fq_zero_nonfinite8((uint4 *)(t + r * ld + c));
     }
 }
 

@@ -64,14 +64,6 @@ static __device__ __forceinline__ void fq_zero_tile(float c[4][4])
     for (int i = 0; i < 4; i++) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
 }
 
-/* Sum over the 4 lanes of a quad (one tile row). */
-static __device__ __forceinline__ float fq_quad_sum(float x)
-{
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return x;
-}
-
 template <int K, int V> struct fq_bwd_wy_smem {
     static constexpr int MX = K > V ? K : V;
     static constexpr int LDK = K + 8, LDV = V + 8, LDX = MX + 8, LDC = 72;

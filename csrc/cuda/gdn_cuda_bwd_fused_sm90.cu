@@ -75,20 +75,7 @@ template <int NT> static __device__ __forceinline__ uint4 *fq_tile_piece(unsigne
  * elements to zero. */
 template <int NT> static __device__ __forceinline__ void fq_finite_tiles(unsigned char *dst, int rows)
 {
-    for (int idx = threadIdx.x; idx < rows * NT * 8; idx += blockDim.x) {
-        uint4 *pp = fq_tile_piece<NT>(dst, idx);
-        uint4 x = *pp;
-        uint32_t *xs = (uint32_t *)&x;
-        if (fq_bf16x8_nonfinite(x)) {
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const uint32_t y = xs[q] & 0x7f807f80u;
-                xs[q] &= ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) &
-                         ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
-            }
-            *pp = x;
-        }
-    }
+    for (int idx = threadIdx.x; idx < rows * NT * 8; idx += blockDim.x) fq_zero_nonfinite8(fq_tile_piece<NT>(dst, idx));
 }
 /* In place: row r of a 64-row tile set times rs[r] (the thread's own pieces). */
 template <int NT> static __device__ __forceinline__ void fq_scale_tiles(unsigned char *dst, const float *rs)
@@ -163,13 +150,6 @@ template <int NR> static __device__ __forceinline__ void fq_wait_all(float (&x)[
     fq_wgmma_commit();
     fq_wgmma_wait<0>();
     fq_reg_fence(x);
-}
-
-static __device__ __forceinline__ float fq_quad_sum90(float x)
-{
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return x;
 }
 #endif
 
@@ -325,7 +305,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
             }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const float z = fq_quad_sum90(rz[h]);
+                const float z = fq_quad_sum(rz[h]);
                 if (t == 0) sdgp[64 * u + 16 * w + g + 8 * h] = z;
             }
 #pragma unroll
@@ -405,7 +385,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
                 }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const float x = fq_quad_sum90(xr[h]);
+                const float x = fq_quad_sum(xr[h]);
                 if (t == 0) sdgp[64 * u + 16 * w + g + 8 * h] += x;
             }
             fq_wgmma_fence();
@@ -478,7 +458,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
                                         fq_ld_f(a.q, a.dt, o + 1) * dQ[4 * nb + 2 * h + 1]);
                 }
             }
-        const float d0 = fq_quad_sum90(dot[0]), d1 = fq_quad_sum90(dot[1]);
+        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
         if (t == 0) {
             srowp[64 * u + 16 * w + g] = d0;
             srowp[64 * u + 16 * w + g + 8] = d1;
@@ -653,7 +633,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
                 xr[h] += f0 * kv.x + f1 * kv.y;
             }
         {
-            const float x0 = fq_quad_sum90(xr[0]), x1 = fq_quad_sum90(xr[1]);
+            const float x0 = fq_quad_sum(xr[0]), x1 = fq_quad_sum(xr[1]);
             float mx = 0.f;
             if (t == 0) {
                 const int r0 = 16 * w + g;
@@ -714,8 +694,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
                         fq_st_f2(a.dv, a.dt, ((int64_t)(ci.row0 + r) * HV + j) * V + col, sb[r] * x0, sb[r] * x1);
                     xv[h] += x0 * vv.x + x1 * vv.y;
                 }
-            const float w0 = fq_quad_sum90(xw[0]), w1 = fq_quad_sum90(xw[1]);
-            const float v0 = fq_quad_sum90(xv[0]), v1 = fq_quad_sum90(xv[1]);
+            const float w0 = fq_quad_sum(xw[0]), w1 = fq_quad_sum(xw[1]);
+            const float v0 = fq_quad_sum(xv[0]), v1 = fq_quad_sum(xv[1]);
             if (t == 0) {
                 const int r0 = 16 * w + g, r1 = r0 + 8;
                 sdbp[64 * u + r0] += seg[r0] * w0;
@@ -805,7 +785,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
             }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const float y = fq_quad_sum90(ry[h]), z = fq_quad_sum90(rz[h]);
+                const float y = fq_quad_sum(ry[h]), z = fq_quad_sum(rz[h]);
                 if (t == 0) {
                     sdbp[64 * u + 16 * w + g + 8 * h] += y;
                     sdgp[64 * u + 16 * w + g + 8 * h] += z;
@@ -898,7 +878,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
                                         fq_ld_f(a.k, a.dt, o + 1) * dK[4 * nb + 2 * h + 1]);
                 }
             }
-        const float d0 = fq_quad_sum90(dot[0]), d1 = fq_quad_sum90(dot[1]);
+        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
         if (t == 0) {
             srowp[64 * u + 16 * w + g] = d0;
             srowp[64 * u + 16 * w + g + 8] = d1;
