@@ -30,21 +30,19 @@
 #include <stdlib.h> /* getenv */
 #include <string.h>
 
-#define FQ_WY_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
-
 struct fq_wy90_smem {
     static constexpr int off_k = 0;                       /* K (rows scaled by rk) [s][kd], 2 tiles */
-    static constexpr int off_vn = off_k + 2 * FQ_WY_TILE;  /* Vn [r][v], then -dW [r][kd]           */
-    static constexpr int off_dvn = off_vn + 2 * FQ_WY_TILE; /* dVn = dU [r][v]                      */
+    static constexpr int off_vn = off_k + 2 * FQ_TILE;  /* Vn [r][v], then -dW [r][kd]           */
+    static constexpr int off_dvn = off_vn + 2 * FQ_TILE; /* dVn = dU [r][v]                      */
     /* h = S and dS' [kd][v] by halves of v (2 tiles each: kd 0.., 64..), then V [s][v] */
-    static constexpr int off_h = off_dvn + 2 * FQ_WY_TILE;
-    static constexpr int off_ds = off_h + 2 * FQ_WY_TILE;
+    static constexpr int off_h = off_dvn + 2 * FQ_TILE;
+    static constexpr int off_ds = off_h + 2 * FQ_TILE;
     static constexpr int off_v = off_h;
-    static constexpr int off_a = off_ds + 2 * FQ_WY_TILE;  /* A [r][s]                              */
-    static constexpr int off_dat = off_a + FQ_WY_TILE;     /* dA^T [s][r], then Gl [r][s]           */
-    static constexpr int off_m1 = off_dat + FQ_WY_TILE;    /* M1 [r][s]                             */
+    static constexpr int off_a = off_ds + 2 * FQ_TILE;  /* A [r][s]                              */
+    static constexpr int off_dat = off_a + FQ_TILE;     /* dA^T [s][r], then Gl [r][s]           */
+    static constexpr int off_m1 = off_dat + FQ_TILE;    /* M1 [r][s]                             */
     static constexpr int off_gl = off_dat;
-    static constexpr int off_vec = off_m1 + FQ_WY_TILE;
+    static constexpr int off_vec = off_m1 + FQ_TILE;
     static constexpr int bytes = off_vec + 1040 * 4 + 1024; /* + alignment slack */
     static_assert(2 * (bytes + 1024) <= 228 * 1024, "two blocks per SM");
 };
@@ -62,14 +60,14 @@ static __device__ __forceinline__ void fq_async_tiles(unsigned char *dst, const 
     for (int idx = threadIdx.x; idx < rows * NT * 8; idx += blockDim.x) {
         const int r = idx / (NT * 8), c = idx % (NT * 8);
         const bool ok = r < len;
-        fq_cp_async16(dst + (NT * (r >> 6) + (c >> 3)) * FQ_WY_TILE + fq_sw128(r & 63, 16 * (c & 7)),
+        fq_cp_async16(dst + (NT * (r >> 6) + (c >> 3)) * FQ_TILE + fq_sw128(r & 63, 16 * (c & 7)),
                       src + (ok ? r * stride + 8 * c : 0), ok ? 16 : 0);
     }
 }
 template <int NT> static __device__ __forceinline__ uint4 *fq_tile_piece(unsigned char *dst, int idx)
 {
     const int r = idx / (NT * 8), c = idx % (NT * 8);
-    return (uint4 *)(dst + (NT * (r >> 6) + (c >> 3)) * FQ_WY_TILE + fq_sw128(r & 63, 16 * (c & 7)));
+    return (uint4 *)(dst + (NT * (r >> 6) + (c >> 3)) * FQ_TILE + fq_sw128(r & 63, 16 * (c & 7)));
 }
 /* Causality (issue 9), as fq_finite_rows: the thread's own pieces' non-finite
  * elements to zero. */
@@ -109,10 +107,9 @@ static __device__ __forceinline__ uint64_t fq_dkm(const unsigned char *p)
 }
 static __device__ __forceinline__ uint64_t fq_dmn(const unsigned char *p)
 {
-    return fq_desc_sw128(fq_smem_u32(p), FQ_WY_TILE, 1024);
+    return fq_desc_sw128(fq_smem_u32(p), FQ_TILE, 1024);
 }
-static __device__ __forceinline__ uint64_t fq_dat(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
-static __device__ __forceinline__ uint32_t fq_koff(int kk) { return (kk >> 2) * FQ_WY_TILE + 32 * (kk & 3); }
+static __device__ __forceinline__ uint32_t fq_koff(int kk) { return (kk >> 2) * FQ_TILE + 32 * (kk & 3); }
 
 template <int TA, int TB>
 static __device__ __forceinline__ void fq_wg_ss(float (&d)[32], uint64_t da, uint64_t db, int acc)
@@ -132,7 +129,7 @@ static __device__ __forceinline__ void fq_mm_kk(float (&acc)[NR], const unsigned
 {
     const uint64_t da = fq_dkm(a), db = fq_dkm(b);
 #pragma unroll
-    for (int kk = 0; kk < KS; kk++) fq_wg_ss<0, 0>(acc, fq_dat(da, fq_koff(kk)), fq_dat(db, fq_koff(kk)), accumulate || kk > 0);
+    for (int kk = 0; kk < KS; kk++) fq_wg_ss<0, 0>(acc, fq_desc_at(da, fq_koff(kk)), fq_desc_at(db, fq_koff(kk)), accumulate || kk > 0);
 }
 /* acc (+)= A B over 64 (one tile of reduction rows): TA / TB 1 = MN-major */
 template <int TA, int TB, int NR>
@@ -142,7 +139,7 @@ static __device__ __forceinline__ void fq_mm_64(float (&acc)[NR], const unsigned
     const uint64_t da = TA ? fq_dmn(a) : fq_dkm(a), db = TB ? fq_dmn(b) : fq_dkm(b);
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        fq_wg_ss<TA, TB>(acc, fq_dat(da, TA ? 2048 * kk : 32 * kk), fq_dat(db, TB ? 2048 * kk : 32 * kk),
+        fq_wg_ss<TA, TB>(acc, fq_desc_at(da, TA ? 2048 * kk : 32 * kk), fq_desc_at(db, TB ? 2048 * kk : 32 * kk),
                          accumulate || kk > 0);
 }
 template <int NR> static __device__ __forceinline__ void fq_wait_all(float (&x)[NR])
@@ -175,11 +172,11 @@ template <int NR> static __device__ __forceinline__ void fq_wait_all(float (&x)[
  *   dv_local = P^T dO       P [r][s] (MN)                   dO [r][v] (MN)  */
 struct fq_local90_smem {
     static constexpr int off_q = 0;                        /* Q (rows scaled by rq) [r][kd] */
-    static constexpr int off_k = off_q + 2 * FQ_WY_TILE;   /* K (rows scaled by rk) [s][kd] */
-    static constexpr int off_do = off_k + 2 * FQ_WY_TILE;  /* dO [r][v]                     */
-    static constexpr int off_vn = off_do + 2 * FQ_WY_TILE; /* Vn [s][v], then P | dP [r][s] */
-    static constexpr int off_h = off_vn + 2 * FQ_WY_TILE;  /* h = S [kd][v], 4 tiles        */
-    static constexpr int off_vec = off_h + 4 * FQ_WY_TILE;
+    static constexpr int off_k = off_q + 2 * FQ_TILE;   /* K (rows scaled by rk) [s][kd] */
+    static constexpr int off_do = off_k + 2 * FQ_TILE;  /* dO [r][v]                     */
+    static constexpr int off_vn = off_do + 2 * FQ_TILE; /* Vn [s][v], then P | dP [r][s] */
+    static constexpr int off_h = off_vn + 2 * FQ_TILE;  /* h = S [kd][v], 4 tiles        */
+    static constexpr int off_vec = off_h + 4 * FQ_TILE;
     static constexpr int bytes = off_vec + 640 * 4 + 1024; /* + alignment slack */
     static_assert(2 * (bytes + 1024) <= 228 * 1024, "two blocks per SM");
 };
@@ -192,7 +189,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
     unsigned char *sQ = smem + SM::off_q, *sK = smem + SM::off_k, *sdO = smem + SM::off_do;
-    unsigned char *sVn = smem + SM::off_vn, *sP = sVn, *sdP = sVn + FQ_WY_TILE, *sH = smem + SM::off_h;
+    unsigned char *sVn = smem + SM::off_vn, *sP = sVn, *sdP = sVn + FQ_TILE, *sH = smem + SM::off_h;
     float *sg = (float *)(smem + SM::off_vec), *sfo = sg + 64, *srq = sg + 128, *srk = sg + 192;
     /* deterministic reductions as in fq_bwd_local_kernel: row-sum slots [u][row],
      * column-sum slots [w][column] */
@@ -247,7 +244,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
                     x = fq_ld_f(a.dout, a.dt, o);
                     y = fq_ld_f(a.dout, a.dt, o + 1);
                 }
-                *fq_tile_pair(sdO + (col >> 6) * FQ_WY_TILE, r, col & 63) = fq_pack_bf16(x, y);
+                *fq_tile_pair(sdO + (col >> 6) * FQ_TILE, r, col & 63) = fq_pack_bf16(x, y);
             }
         }
         fq_cp_async_commit();
@@ -343,7 +340,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
                 const int m = lane >> 3, rr = 16 * kk + (lane & 7) + 8 * (m >> 1);
-                fq_ldsm_x4_trans(af[kk], fq_smem_u32(sQ + u * FQ_WY_TILE + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
+                fq_ldsm_x4_trans(af[kk], fq_smem_u32(sQ + u * FQ_TILE + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
                 const float f0 = sfo[16 * kk + 2 * t], f1 = sfo[16 * kk + 2 * t + 1];
                 const float f8 = sfo[16 * kk + 2 * t + 8], f9 = sfo[16 * kk + 2 * t + 9];
 #pragma unroll
@@ -353,9 +350,9 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
                 }
             }
             fq_wgmma_fence();
-            const uint64_t db = fq_dmn(sdO + ic * FQ_WY_TILE);
+            const uint64_t db = fq_dmn(sdO + ic * FQ_TILE);
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<1, 0>(acc, af[kk], fq_dat(db, 2048 * kk), kk > 0);
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<1, 0>(acc, af[kk], fq_desc_at(db, 2048 * kk), kk > 0);
             fq_wait_all(acc);
             fq_bf16 *dst = a.dsl + tile * K * V;
 #pragma unroll
@@ -369,7 +366,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
         {
             float acc[32];
             fq_wgmma_fence();
-            fq_mm_kk<8>(acc, sdO, sH + 2 * u * FQ_WY_TILE, 0);
+            fq_mm_kk<8>(acc, sdO, sH + 2 * u * FQ_TILE, 0);
             fq_wait_all(acc);
             float xr[2] = {0.f, 0.f};
 #pragma unroll
@@ -377,7 +374,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int r = 16 * w + g + 8 * h, cl = 8 * nb + 2 * t;
-                    const float2 qv = fq_unpack_bf16(*fq_tile_pair(sQ + u * FQ_WY_TILE, r, cl));
+                    const float2 qv = fq_unpack_bf16(*fq_tile_pair(sQ + u * FQ_TILE, r, cl));
                     const float f0 = sfo[r] * acc[4 * nb + 2 * h], f1 = sfo[r] * acc[4 * nb + 2 * h + 1];
                     xr[h] += f0 * qv.x + f1 * qv.y;
                     dQ[4 * nb + 2 * h] += f0;
@@ -389,8 +386,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
                 if (t == 0) sdgp[64 * u + 16 * w + g + 8 * h] += x;
             }
             fq_wgmma_fence();
-            fq_mm_64<0, 1>(dQ, sdP, sK + u * FQ_WY_TILE, 1);
-            fq_mm_64<1, 1>(acc, sdP, sQ + u * FQ_WY_TILE, 0);
+            fq_mm_64<0, 1>(dQ, sdP, sK + u * FQ_TILE, 1);
+            fq_mm_64<1, 1>(acc, sdP, sQ + u * FQ_TILE, 0);
             fq_wgmma_commit();
             fq_wgmma_wait<0>();
             fq_reg_fence(dQ);
@@ -431,7 +428,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
         {
             float acc[32];
             fq_wgmma_fence();
-            fq_mm_64<1, 1>(acc, sP, sdO + u * FQ_WY_TILE, 0);
+            fq_mm_64<1, 1>(acc, sP, sdO + u * FQ_TILE, 0);
             fq_wait_all(acc);
             fq_bf16 *dst = a.dvl + tile * 64 * V;
 #pragma unroll
@@ -598,12 +595,12 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
             }
             fq_wgmma_fence();
             {
-                const uint64_t dvn = fq_dkm(sVn + vh * FQ_WY_TILE), ddvn = fq_dkm(sdVn + vh * FQ_WY_TILE);
-                const uint64_t dds = fq_dkm(sdS + u * FQ_WY_TILE), dh = fq_dkm(sH + u * FQ_WY_TILE);
+                const uint64_t dvn = fq_dkm(sVn + vh * FQ_TILE), ddvn = fq_dkm(sdVn + vh * FQ_TILE);
+                const uint64_t dds = fq_dkm(sdS + u * FQ_TILE), dh = fq_dkm(sH + u * FQ_TILE);
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++) fq_wg_ss<0, 0>(F1, fq_dat(dvn, 32 * kk), fq_dat(dds, 32 * kk), vh || kk);
+                for (int kk = 0; kk < 4; kk++) fq_wg_ss<0, 0>(F1, fq_desc_at(dvn, 32 * kk), fq_desc_at(dds, 32 * kk), vh || kk);
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++) fq_wg_ss<0, 0>(dW, fq_dat(ddvn, 32 * kk), fq_dat(dh, 32 * kk), vh || kk);
+                for (int kk = 0; kk < 4; kk++) fq_wg_ss<0, 0>(dW, fq_desc_at(ddvn, 32 * kk), fq_desc_at(dh, 32 * kk), vh || kk);
             }
             fq_wgmma_commit();
 #pragma unroll 1
@@ -626,7 +623,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = 16 * w + g + 8 * h, cl = 8 * nb + 2 * t;
-                const float2 kv = fq_unpack_bf16(*fq_tile_pair(sK + u * FQ_WY_TILE, r, cl));
+                const float2 kv = fq_unpack_bf16(*fq_tile_pair(sK + u * FQ_TILE, r, cl));
                 const float f0 = F1[4 * nb + 2 * h], f1 = F1[4 * nb + 2 * h + 1];
                 dK[4 * nb + 2 * h] += sm[r] * f0;
                 dK[4 * nb + 2 * h + 1] += sm[r] * f1;
@@ -658,8 +655,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
 #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
             const int r = 16 * w + g, cl = 8 * nb + 2 * t;
-            *fq_tile_pair(sVn + u * FQ_WY_TILE, r, cl) = fq_pack_bf16(-dW[4 * nb], -dW[4 * nb + 1]);
-            *fq_tile_pair(sVn + u * FQ_WY_TILE, r + 8, cl) = fq_pack_bf16(-dW[4 * nb + 2], -dW[4 * nb + 3]);
+            *fq_tile_pair(sVn + u * FQ_TILE, r, cl) = fq_pack_bf16(-dW[4 * nb], -dW[4 * nb + 1]);
+            *fq_tile_pair(sVn + u * FQ_TILE, r + 8, cl) = fq_pack_bf16(-dW[4 * nb + 2], -dW[4 * nb + 3]);
         }
         fq_cp_async_wait<0>();
         fq_finite_tiles<2>(sV, 64);
@@ -671,8 +668,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
         {
             float F2[32], F3[32];
             fq_wgmma_fence();
-            fq_mm_64<1, 1>(F2, sA, sVn + u * FQ_WY_TILE, 0);
-            fq_mm_64<1, 1>(F3, sA, sdVn + u * FQ_WY_TILE, 0);
+            fq_mm_64<1, 1>(F2, sA, sVn + u * FQ_TILE, 0);
+            fq_mm_64<1, 1>(F3, sA, sdVn + u * FQ_TILE, 0);
             fq_wgmma_commit();
             fq_wgmma_wait<0>();
             fq_reg_fence(F2);
@@ -683,8 +680,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int r = 16 * w + g + 8 * h, cl = 8 * nb + 2 * t, col = 64 * u + cl;
-                    const float2 kv = fq_unpack_bf16(*fq_tile_pair(sK + u * FQ_WY_TILE, r, cl));
-                    const float2 vv = fq_unpack_bf16(*fq_tile_pair(sV + u * FQ_WY_TILE, r, cl));
+                    const float2 kv = fq_unpack_bf16(*fq_tile_pair(sK + u * FQ_TILE, r, cl));
+                    const float2 vv = fq_unpack_bf16(*fq_tile_pair(sV + u * FQ_TILE, r, cl));
                     const float f0 = F2[4 * nb + 2 * h], f1 = F2[4 * nb + 2 * h + 1];
                     dK[4 * nb + 2 * h] += sb[r] * seg[r] * f0;
                     dK[4 * nb + 2 * h + 1] += sb[r] * seg[r] * f1;
@@ -807,8 +804,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
 
         /* dK += Gl K + Gl^T K */
         fq_wgmma_fence();
-        fq_mm_64<0, 1>(dK, sGl, sK + u * FQ_WY_TILE, 1);
-        fq_mm_64<1, 1>(dK, sGl, sK + u * FQ_WY_TILE, 1);
+        fq_mm_64<0, 1>(dK, sGl, sK + u * FQ_TILE, 1);
+        fq_mm_64<1, 1>(dK, sGl, sK + u * FQ_TILE, 1);
         fq_wgmma_commit();
 
         /* dg = reverse cumsum of dgamma; dbeta (warp 0: two rows per lane), as fq_bwd_wy_kernel */

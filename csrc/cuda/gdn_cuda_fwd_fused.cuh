@@ -80,7 +80,6 @@
 #include <string.h>
 
 #define FQ_FUSED_STAGES 3
-#define FQ_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
 
 /* MODE: what a CTA computes over its segment of chunks */
 #define FQ_FUSED_FULL 0 /* o and the segment's end state (ht when the segment ends the sequence) */
@@ -342,13 +341,6 @@ static __device__ __forceinline__ void fq_out_store(const float (&oacc)[32], uns
             if (r < len) *(float4 *)(orow + (int64_t)r * args.HV * args.V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
         }
     }
-}
-
-/* A descriptor moved by `bytes` (a multiple of 16): the start address is the
- * low 14-bit field, and no tile crosses 256 KB, so the field cannot carry. */
-static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes)
-{
-    return d + (bytes >> 4);
 }
 
 /* acc = A B^T over K (a fresh accumulator), A and B two 64-row K-major

@@ -43,6 +43,8 @@
 
 /* ------------------------------------------------------------- swizzle ---- */
 
+#define FQ_TILE 8192 /* one 64 x 64 bf16 SWIZZLE_128B tile */
+
 /* Byte offset of (row, byte b within the 128-byte row) in a SWIZZLE_128B tile. */
 static __device__ __forceinline__ uint32_t fq_sw128(int row, int b)
 {
@@ -64,6 +66,13 @@ static __device__ __forceinline__ uint64_t fq_desc_interleave(uint32_t saddr, ui
 static __device__ __forceinline__ uint64_t fq_desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo)
 {
     return fq_desc_interleave(saddr, lbo, sbo) | (1ull << 62);
+}
+
+/* A descriptor moved by `bytes` (a multiple of 16): the start address is the
+ * low 14-bit field, and no tile crosses 256 KB, so the field cannot carry. */
+static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes)
+{
+    return d + (bytes >> 4);
 }
 
 /* ------------------------------------------------------------ warpgroup ---- */
