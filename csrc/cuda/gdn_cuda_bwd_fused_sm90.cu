@@ -215,12 +215,11 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     fq_async_tiles<2>(sQ, a.qb + qrow * K, (int64_t)H * K, 64, len);
     fq_async_tiles<2>(sK, a.kb + qrow * K, (int64_t)H * K, 64, len);
 
-    float dQ[32]; /* columns kd = 64 u + 8 nb + 2 t + e % 2 */
+    /* dQ and dK_O (columns kd = 64 u + 8 nb + 2 t + e % 2) summed over the
+     * group in wgmma accumulators; dK_O to a.dkp ([B*T, H, K]) at the end */
+    float dQ[32], dKO[32];
 #pragma unroll
-    for (int i = 0; i < 32; i++) dQ[i] = 0.f;
-    /* dK_O is summed over the group in a.dkp ([B*T, H, K]): each thread adds
-     * to the elements it wrote itself for the previous head */
-    float *dko = a.dkp + ((int64_t)ci.row0 * H + hq) * K;
+    for (int i = 0; i < 32; i++) dQ[i] = dKO[i] = 0.f;
 
     for (int jj = 0; jj < G; jj++) {
         const int j = hq * G + jj;
@@ -387,27 +386,11 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
             }
             fq_wgmma_fence();
             fq_mm_64<0, 1>(dQ, sdP, sK + u * FQ_TILE, 1);
-            fq_mm_64<1, 1>(acc, sdP, sQ + u * FQ_TILE, 0);
+            fq_mm_64<1, 1>(dKO, sdP, sQ + u * FQ_TILE, 1);
             fq_wgmma_commit();
             fq_wgmma_wait<0>();
             fq_reg_fence(dQ);
-            fq_reg_fence(acc);
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
-                    if (r < len) {
-                        float2 *pk = (float2 *)(dko + (int64_t)r * H * K + col);
-                        float2 x = make_float2(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
-                        if (jj > 0) {
-                            const float2 y = *pk;
-                            x.x += y.x;
-                            x.y += y.y;
-                        }
-                        *pk = x;
-                    }
-                }
+            fq_reg_fence(dKO);
         }
         /* causality (issue 9): does dO hold a non-finite element? (a share
          * of the tile per thread, reduced by the barrier) */
@@ -441,6 +424,17 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
         }
     }
 
+    {
+        float *dko = a.dkp + ((int64_t)ci.row0 * H + hq) * K;
+#pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
+                if (r < len)
+                    *(float2 *)(dko + (int64_t)r * H * K + col) = make_float2(dKO[4 * nb + 2 * h], dKO[4 * nb + 2 * h + 1]);
+            }
+    }
     /* dq = dq_hat, or its L2-norm backward */
     if (a.rq) {
         float dot[2] = {0.f, 0.f};
