@@ -125,6 +125,125 @@ struct fq_bwd_args {
     int state_vk;      /* [serving] dht, dh0 (and h0) stored [V][K] (fq_state_at) */
 };
 
+/* ------------------------------- epilogues shared by bwd_local / bwd_wy ----
+ * (the mma.sync kernels of gdn_cuda_bwd_fused.cu and the wgmma ones of
+ * gdn_cuda_bwd_fused_sm90.cu: the same fragment shape per thread) */
+
+/* bwd_wy's last step of a value head j, warp 0 (lane l: rows 2l, 2l + 1):
+ *   dgamma_r = sdg + sdgp (both halves) - scz (four quarters),
+ *              + e^{gamma_C} <S, dS'> + sum x at the chunk's last row (sred)
+ *   dg_r     = sum_{s >= r} dgamma_s,   dbeta_r = sdbp (both halves)
+ * stored for the rows < len. gC = gamma_C of the chunk. */
+static __device__ __forceinline__ void fq_bwd_dg_dbeta(const fq_bwd_args &a, const float *sdg, const float *sdgp,
+                                                       const float *scz, const float *sdbp, const float *sred,
+                                                       float gC, int len, int64_t row0, int j, int lane)
+{
+    const int HV = a.HV;
+    float x[2], db[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int r = 2 * lane + e;
+        x[e] = sdg[r] + sdgp[r] + sdgp[64 + r] - (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
+        db[e] = sdbp[r] + sdbp[64 + r];
+        if (r == len - 1) {
+            float dot = 0.f, mx = 0.f;
+            for (int q = 0; q < 8; q++) {
+                dot += sred[q];
+                mx += sred[8 + q];
+            }
+            x[e] += __expf(gC) * dot + mx;
+        }
+    }
+    /* dg_r = sum_{s >= r} dgamma_s: lane l holds rows 2l, 2l + 1; suf = the
+     * inclusive suffix sum of the lanes' pairs, after = that of the lanes above
+     * (never suf - pair: a NaN or a large finite dgamma of a row at or before r
+     * would reach dg_r through the subtraction, which the reference's dg_r
+     * never sees) */
+    const float x0 = x[0], x1 = x[1];
+    float suf = x0 + x1;
+    for (int o = 1; o < 32; o <<= 1) {
+        const float yv = __shfl_down_sync(0xffffffffu, suf, o);
+        if (lane + o < 32) suf += yv;
+    }
+    float after = __shfl_down_sync(0xffffffffu, suf, 1);
+    if (lane == 31) after = 0.f;
+    const float d1 = after + x1, d0 = d1 + x0;
+    const int64_t o0 = (row0 + 2 * lane) * HV + j;
+    if (2 * lane < len) {
+        fq_st_f(a.dg, a.gdt, o0, d0);
+        fq_st_f(a.dbeta, a.gdt, o0, db[0]);
+    }
+    if (2 * lane + 1 < len) {
+        fq_st_f(a.dg, a.gdt, o0 + HV, d1);
+        fq_st_f(a.dbeta, a.gdt, o0 + HV, db[1]);
+    }
+}
+
+/* dx (dq or dk, [B*T, H, K] in the input dtype) from a thread's fragment of
+ * dx_hat: y[4 nb + 2 h + e] at row r0 + 8 h, column col_of(nb) + e, for the
+ * rows < len; x the forward input (q or k), row r at x + (qrow + r H) K.
+ *   ADD:  dx_hat += add[r H K + col]          (bwd_wy: bwd_local's dK_O)
+ *   srn != NULL (use_qk_l2norm, srn[r] = the row's inverse norm rn):
+ *         x_hat = rn x,   dx = rn (dx_hat - x_hat (x_hat . dx_hat))
+ *   the row dot over the two column halves of the block (half 0 / 1) meets in
+ *   srowp[64 half + r] across a block barrier (every thread calls this). */
+template <int NB, bool ADD, class ColOf>
+static __device__ __forceinline__ void fq_bwd_dx_store(const fq_bwd_args &a, const void *x, void *dx, float *y,
+                                                       const float *add, const float *srn, float *srowp, int half,
+                                                       int r0, ColOf col_of, int len, int64_t qrow, int K)
+{
+    const int H = a.H;
+    if (ADD) {
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = r0 + 8 * h, col = col_of(nb);
+                if (r < len) {
+                    const float2 p = *(const float2 *)(add + (int64_t)r * H * K + col);
+                    y[4 * nb + 2 * h] += p.x;
+                    y[4 * nb + 2 * h + 1] += p.y;
+                }
+            }
+    }
+    if (srn) {
+        float dot[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = r0 + 8 * h, col = col_of(nb);
+                if (r < len) {
+                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
+                    dot[h] += srn[r] * (fq_ld_f(x, a.dt, o) * y[4 * nb + 2 * h] +
+                                        fq_ld_f(x, a.dt, o + 1) * y[4 * nb + 2 * h + 1]);
+                }
+            }
+        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
+        if ((threadIdx.x & 3) == 0) {
+            srowp[64 * half + r0] = d0;
+            srowp[64 * half + r0 + 8] = d1;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = r0 + 8 * h, col = col_of(nb);
+            if (r < len) {
+                const int64_t o = (qrow + (int64_t)r * H) * K + col;
+                float y0 = y[4 * nb + 2 * h], y1 = y[4 * nb + 2 * h + 1];
+                if (srn) {
+                    const float rr = srn[r], dt = srowp[r] + srowp[64 + r];
+                    y0 = rr * (y0 - rr * fq_ld_f(x, a.dt, o) * dt);
+                    y1 = rr * (y1 - rr * fq_ld_f(x, a.dt, o + 1) * dt);
+                }
+                fq_st_f2(dx, a.dt, o, y0, y1);
+            }
+        }
+}
+
 /* bwd_local (gdn_cuda_bwd_fused.cu): one block per (chunk, q/k head)
  * looping over the GVA group; dq finished in the block (GVA sum + L2-norm
  * backward), dK_O summed over the group (into a.dkp, for bwd_wy); the

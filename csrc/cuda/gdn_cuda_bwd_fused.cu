@@ -407,103 +407,14 @@ __global__ void __launch_bounds__(256, (K > 128 || V > 128) ? 1 : 2) fq_bwd_wy_k
         }
 
         /* dg = reverse cumsum of dgamma; dbeta (warp 0: two rows per lane) */
-        if (warp == 0) {
-            float x[2], db[2];
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int r = 2 * lane + e;
-                x[e] = sdg[r] + sdgp[r] + sdgp[64 + r] - (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
-                db[e] = sdbp[r] + sdbp[64 + r];
-                if (r == len - 1) {
-                    float dot = 0.f, mx = 0.f;
-                    for (int w = 0; w < 8; w++) {
-                        dot += sred[w];
-                        mx += sred[8 + w];
-                    }
-                    x[e] += __expf(sg[63]) * dot + mx;
-                }
-            }
-            /* dg_r = sum_{s >= r} dgamma_s: lane l holds rows 2l, 2l + 1; suf = the
-             * inclusive suffix sum of the lanes' pairs, after = that of the lanes above
-             * (never suf - pair: a NaN or a large finite dgamma of a row at or before r
-             * would reach dg_r through the subtraction, which the reference's dg_r
-             * never sees) */
-            const float x0 = x[0], x1 = x[1];
-            float suf = x0 + x1;
-            for (int o = 1; o < 32; o <<= 1) {
-                const float yv = __shfl_down_sync(0xffffffffu, suf, o);
-                if (lane + o < 32) suf += yv;
-            }
-            float after = __shfl_down_sync(0xffffffffu, suf, 1);
-            if (lane == 31) after = 0.f;
-            const float d1 = after + x1, d0 = d1 + x0;
-            const int64_t o0 = (int64_t)(ci.row0 + 2 * lane) * HV + j;
-            if (2 * lane < len) {
-                fq_st_f(a.dg, a.gdt, o0, d0);
-                fq_st_f(a.dbeta, a.gdt, o0, db[0]);
-            }
-            if (2 * lane + 1 < len) {
-                fq_st_f(a.dg, a.gdt, o0 + HV, d1);
-                fq_st_f(a.dbeta, a.gdt, o0 + HV, db[1]);
-            }
-        }
+        if (warp == 0) fq_bwd_dg_dbeta(a, sdg, sdgp, scz, sdbp, sred, sg[63], len, ci.row0, j, lane);
     }
 
     /* dk_hat = sum over the group of (this stage's dK + bwd_local's dK_O);
      * then the L2-norm backward, and dk in the input dtype. */
-#pragma unroll
-    for (int i = 0; i < NTK; i++)
-#pragma unroll
-        for (int jn = 0; jn < 4; jn++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
-                if (r < len) {
-                    const float2 p = *(const float2 *)(a.dkp + ((int64_t)(ci.row0 + r) * H + hq) * K + col);
-                    dK[i][jn][2 * h] += p.x;
-                    dK[i][jn][2 * h + 1] += p.y;
-                }
-            }
-    if (a.rk) {
-        float dot[2] = {0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < NTK; i++)
-#pragma unroll
-            for (int jn = 0; jn < 4; jn++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
-                    if (r < len) {
-                        const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                        dot[h] += srk[r] * (fq_ld_f(a.k, a.dt, o) * dK[i][jn][2 * h] +
-                                            fq_ld_f(a.k, a.dt, o + 1) * dK[i][jn][2 * h + 1]);
-                    }
-                }
-        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
-        if (t == 0) {
-            srowp[64 * c2 + wr + g] = d0;
-            srowp[64 * c2 + wr + g + 8] = d1;
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < NTK; i++)
-#pragma unroll
-        for (int jn = 0; jn < 4; jn++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
-                if (r < len) {
-                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                    float y0 = dK[i][jn][2 * h], y1 = dK[i][jn][2 * h + 1];
-                    if (a.rk) {
-                        const float rr = srk[r], dt = srowp[r] + srowp[64 + r];
-                        y0 = rr * (y0 - rr * fq_ld_f(a.k, a.dt, o) * dt);
-                        y1 = rr * (y1 - rr * fq_ld_f(a.k, a.dt, o + 1) * dt);
-                    }
-                    fq_st_f2(a.dk, a.dt, o, y0, y1);
-                }
-            }
+    fq_bwd_dx_store<4 * NTK, true>(a, a.k, a.dk, &dK[0][0][0], a.dkp + ((int64_t)ci.row0 * H + hq) * K,
+                                   a.rk ? srk : (const float *)NULL, srowp, c2, wr + g,
+                                   [&](int nb) { return 64 * (nb >> 2) + wc + 8 * (nb & 3) + 2 * t; }, len, qrow, K);
 }
 
 /* Two blocks per SM need the largest shared-memory carveout (a hint; set once
@@ -871,46 +782,9 @@ __global__ void __launch_bounds__(256, fq_bwd_local_smem<K, V>::per_sm) fq_bwd_l
     }
 
     /* dq = dq_hat, or its L2-norm backward */
-    if (a.rq) {
-        float dot[2] = {0.f, 0.f};
-#pragma unroll
-        for (int i = 0; i < NTK; i++)
-#pragma unroll
-            for (int jn = 0; jn < 4; jn++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
-                    if (r < len) {
-                        const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                        dot[h] += srq[r] * (fq_ld_f(a.q, a.dt, o) * dQ[i][jn][2 * h] +
-                                            fq_ld_f(a.q, a.dt, o + 1) * dQ[i][jn][2 * h + 1]);
-                    }
-                }
-        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
-        if (t == 0) {
-            srowp[64 * c2 + wr + g] = d0;
-            srowp[64 * c2 + wr + g + 8] = d1;
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < NTK; i++)
-#pragma unroll
-        for (int jn = 0; jn < 4; jn++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = wr + g + 8 * h, col = 64 * i + wc + 8 * jn + 2 * t;
-                if (r < len) {
-                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                    float y0 = dQ[i][jn][2 * h], y1 = dQ[i][jn][2 * h + 1];
-                    if (a.rq) {
-                        const float rr = srq[r], dt = srowp[r] + srowp[64 + r];
-                        y0 = rr * (y0 - rr * fq_ld_f(a.q, a.dt, o) * dt);
-                        y1 = rr * (y1 - rr * fq_ld_f(a.q, a.dt, o + 1) * dt);
-                    }
-                    fq_st_f2(a.dq, a.dt, o, y0, y1);
-                }
-            }
+    fq_bwd_dx_store<4 * NTK, false>(a, a.q, a.dq, &dQ[0][0][0], (const float *)NULL, a.rq ? srq : (const float *)NULL,
+                                    srowp, c2, wr + g,
+                                    [&](int nb) { return 64 * (nb >> 2) + wc + 8 * (nb & 3) + 2 * t; }, len, qrow, K);
 }
 
 template <int K, int V, bool SPLIT_H>

@@ -436,42 +436,8 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
             }
     }
     /* dq = dq_hat, or its L2-norm backward */
-    if (a.rq) {
-        float dot[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
-                if (r < len) {
-                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                    dot[h] += srq[r] * (fq_ld_f(a.q, a.dt, o) * dQ[4 * nb + 2 * h] +
-                                        fq_ld_f(a.q, a.dt, o + 1) * dQ[4 * nb + 2 * h + 1]);
-                }
-            }
-        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
-        if (t == 0) {
-            srowp[64 * u + 16 * w + g] = d0;
-            srowp[64 * u + 16 * w + g + 8] = d1;
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
-            if (r < len) {
-                const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                float y0 = dQ[4 * nb + 2 * h], y1 = dQ[4 * nb + 2 * h + 1];
-                if (a.rq) {
-                    const float rr = srq[r], dt = srowp[r] + srowp[64 + r];
-                    y0 = rr * (y0 - rr * fq_ld_f(a.q, a.dt, o) * dt);
-                    y1 = rr * (y1 - rr * fq_ld_f(a.q, a.dt, o + 1) * dt);
-                }
-                fq_st_f2(a.dq, a.dt, o, y0, y1);
-            }
-        }
+    fq_bwd_dx_store<8, false>(a, a.q, a.dq, dQ, (const float *)NULL, a.rq ? srq : (const float *)NULL, srowp, u, 16 * w + g,
+                              [&](int nb) { return 64 * u + 8 * nb + 2 * t; }, len, qrow, K);
 #endif
 }
 
@@ -802,96 +768,16 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
         fq_mm_64<1, 1>(dK, sGl, sK + u * FQ_TILE, 1);
         fq_wgmma_commit();
 
-        /* dg = reverse cumsum of dgamma; dbeta (warp 0: two rows per lane), as fq_bwd_wy_kernel */
-        if (warp == 0) {
-            float x[2], db[2];
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int r = 2 * lane + e;
-                x[e] = sdg[r] + sdgp[r] + sdgp[64 + r] - (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
-                db[e] = sdbp[r] + sdbp[64 + r];
-                if (r == len - 1) {
-                    float dot = 0.f, mx = 0.f;
-                    for (int q = 0; q < 8; q++) {
-                        dot += sred[q];
-                        mx += sred[8 + q];
-                    }
-                    x[e] += __expf(sg[63]) * dot + mx;
-                }
-            }
-            /* dg_r = sum_{s >= r} dgamma_s (never suf - pair: fq_bwd_wy_kernel says why) */
-            const float x0 = x[0], x1 = x[1];
-            float suf = x0 + x1;
-            for (int o = 1; o < 32; o <<= 1) {
-                const float yv = __shfl_down_sync(0xffffffffu, suf, o);
-                if (lane + o < 32) suf += yv;
-            }
-            float after = __shfl_down_sync(0xffffffffu, suf, 1);
-            if (lane == 31) after = 0.f;
-            const float e1 = after + x1, e0 = e1 + x0;
-            const int64_t o0 = (int64_t)(ci.row0 + 2 * lane) * HV + j;
-            if (2 * lane < len) {
-                fq_st_f(a.dg, a.gdt, o0, e0);
-                fq_st_f(a.dbeta, a.gdt, o0, db[0]);
-            }
-            if (2 * lane + 1 < len) {
-                fq_st_f(a.dg, a.gdt, o0 + HV, e1);
-                fq_st_f(a.dbeta, a.gdt, o0 + HV, db[1]);
-            }
-        }
+        /* dg = reverse cumsum of dgamma; dbeta (warp 0: two rows per lane) */
+        if (warp == 0) fq_bwd_dg_dbeta(a, sdg, sdgp, scz, sdbp, sred, sg[63], len, ci.row0, j, lane);
         fq_wgmma_wait<0>();
         fq_reg_fence(dK);
     }
 
     /* dk_hat = sum over the group of (this stage's dK + bwd_local's dK_O);
      * then the L2-norm backward, and dk in the input dtype. */
-#pragma unroll
-    for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
-            if (r < len) {
-                const float2 p = *(const float2 *)(a.dkp + ((int64_t)(ci.row0 + r) * H + hq) * K + col);
-                dK[4 * nb + 2 * h] += p.x;
-                dK[4 * nb + 2 * h + 1] += p.y;
-            }
-        }
-    if (a.rk) {
-        float dot[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
-                if (r < len) {
-                    const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                    dot[h] += srk[r] * (fq_ld_f(a.k, a.dt, o) * dK[4 * nb + 2 * h] +
-                                        fq_ld_f(a.k, a.dt, o + 1) * dK[4 * nb + 2 * h + 1]);
-                }
-            }
-        const float d0 = fq_quad_sum(dot[0]), d1 = fq_quad_sum(dot[1]);
-        if (t == 0) {
-            srowp[64 * u + 16 * w + g] = d0;
-            srowp[64 * u + 16 * w + g + 8] = d1;
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = 16 * w + g + 8 * h, col = 64 * u + 8 * nb + 2 * t;
-            if (r < len) {
-                const int64_t o = (qrow + (int64_t)r * H) * K + col;
-                float y0 = dK[4 * nb + 2 * h], y1 = dK[4 * nb + 2 * h + 1];
-                if (a.rk) {
-                    const float rr = srk[r], dt = srowp[r] + srowp[64 + r];
-                    y0 = rr * (y0 - rr * fq_ld_f(a.k, a.dt, o) * dt);
-                    y1 = rr * (y1 - rr * fq_ld_f(a.k, a.dt, o + 1) * dt);
-                }
-                fq_st_f2(a.dk, a.dt, o, y0, y1);
-            }
-        }
+    fq_bwd_dx_store<8, true>(a, a.k, a.dk, dK, a.dkp + ((int64_t)ci.row0 * H + hq) * K, a.rk ? srk : (const float *)NULL,
+                             srowp, u, 16 * w + g, [&](int nb) { return 64 * u + 8 * nb + 2 * t; }, len, qrow, K);
 #endif
 }
 
