@@ -7,9 +7,7 @@
  *   0. fq_cuda_fwd_prepare   chunk table, bf16 q/k/v, inverse norms rq, rk
  *   1. fq_cuda_fwd_wy_recompute  gamma, A = (I+L)^-1 (kept for step 5), W, and
  *                            U only for the three-stage state pass below
- *                            (stage A, the persistent kernel; after the
- *                            fused HST pass of step 2 and beside it where
- *                            that runs, else before the three-stage pass)
+ *                            (stage A, the persistent kernel)
  *   2. chunk-start states h (bf16) and Vn = U - W h: where the fused forward
  *      runs (sm_90a, K and V in {64, 128}), its kernel in mode HST
  *      (fq_cuda_fwd_fused_states: stage A's A'' and gate record, the segment
@@ -179,12 +177,10 @@ static int fq_bwd_cp(const fq_bwd_ws *ws)
 
 /* The whole backward on the current device. ev (NULL in the library): seven
  * events, for dev/cuda/check_bwd.cu: ev[0..4] after steps 2, 3, 4, 5 and 6
- * (ev[3] == ev[4]: step 6 runs inside 3 and 5); ev[5] after the prepare
- * (fused recompute) or after prepare + stage A v3 (three-stage), ev[6] after
- * the fused stage A of step 2 (== ev[5] with the three-stage state pass), so
- * that ev[6] .. ev[0] is the fused state pass with stage A v3 beside it.
- * (Events between the launches serialize the fused stage A and the state
- * pass where they would run beside each other.) */
+ * (ev[3] == ev[4]: step 6 runs inside 3 and 5); ev[5] after step 1 (prepare
+ * + stage A v3), ev[6] after the fused stage A of step 2 (== ev[5] with the
+ * three-stage state pass). (Events between the launches serialize stage A
+ * and the state pass where they would run beside each other.) */
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 {
     cudaStream_t stream = (cudaStream_t)p->stream;
@@ -195,13 +191,12 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     /* 0-2. recompute the forward's chunk table, gamma, A, W, (U,) h, Vn. U
      * only for the three-stage state pass: the fused chain forms Vn itself,
      * so there step 1 loads no V tiles and forms no U (ws.f.u's memory is
-     * only dvl's, from step 3 on), and step 1 runs after the fused pass,
-     * beside it (programmatic dependent launch: on the SMs its chains leave
-     * idle; nothing in step 2 reads step 1's outputs) */
+     * only dvl's, from step 3 on) */
     const int fused_rc = fq_bwd_fused_recompute(p);
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
+    if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, !fused_rc, stream)) != FQ_OK) return st;
+    if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
     if (fused_rc) {
-        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
         /* the fused forward's chain: its workspace = the chunk table, norms and
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
         fq_fwd_ws fz = ws.f;
@@ -210,11 +205,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
         if ((st = fq_cuda_fwd_stage_a(p, &fz, &beside, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_fused_states(p, &fz, beside, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
-        /* (beside only where the pass ran: with no segment it launched nothing) */
-        if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, 0, fz.seg_bound > 0, stream)) != FQ_OK) return st;
     } else {
-        if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, 1, 0, stream)) != FQ_OK) return st;
-        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;
     }

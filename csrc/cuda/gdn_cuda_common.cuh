@@ -584,12 +584,8 @@ fq_status fq_cuda_fwd_check_sizes(const fq_gdn_params *p);
 fq_status fq_cuda_fwd_prepare(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* Stage A as the backward's recompute runs it (the persistent kernel; see gdn_cuda_fwd_wy.cu).
- * with_u = 0: ws->u is not written (the fused recompute's chain forms Vn without U).
- * beside_states = 1: launched right after the fused HST state pass, with programmatic
- * dependent launch where it is on, so that it runs on the SMs the pass leaves idle (the
- * exception to the rule of "programmatic dependent launch" below: gdn_cuda_fwd_wy.cu). */
-fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, int beside_states,
-                                   cudaStream_t stream);
+ * with_u = 0: ws->u is not written (the fused recompute's chain forms Vn without U). */
+fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream);
 /* The two stage A kernels (same outputs): the blocked one (A = (I+L)^-1, one
  * block per chunk and value head; fq_cuda_fwd_wy runs it) and the persistent one (
  * double-buffered loads, recursive-doubling inverse; fq_cuda_fwd_wy_recompute
@@ -680,13 +676,6 @@ int fq_cuda_pdl_enabled(void);
  *   - every block executes fq_pdl_wait, also a block that has nothing to do
  *     (else a grid of such blocks could complete before the one it follows,
  *     and a kernel waiting on it would not be ordered after that one).
- * One exception, stage A v3 beside the backward's HST pass (the pass triggers
- * right after its start, gdn_cuda_fwd_fused.cuh): it reads the chunk table
- * and the bf16 copies before any wait (the HST pass's own launch implies
- * those kernels completed: it reads the segment table without a wait
- * itself), writes only what neither HST nor the stage A beside it touch
- * (gamma, kdecay, W, A), and every block waits at its END, so that its
- * completion implies HST's for the kernel after it.
  * Without the attribute both instructions are no-ops; before sm_90 they are
  * compiled out (the compute_80 PTX fallback never gets the attribute). */
 static __device__ __forceinline__ void fq_pdl_wait(void)

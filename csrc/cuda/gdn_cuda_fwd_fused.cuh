@@ -455,11 +455,6 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
      * stage A completed before this one launched, and each chunk's A'' and
      * record are waited for by their flag (the producer, below) */
     if (!ready) fq_pdl_wait();
-    /* HST: the backward's stage A v3, launched next, may start now and run on
-     * the SMs this pass leaves idle (it reads nothing this pass writes and
-     * waits for it at its end: gdn_cuda_common.cuh, "programmatic dependent
-     * launch") */
-    if constexpr (HST) fq_pdl_trigger();
     const fq_seg_info si = args.segs[gs];
     if (tid == 0) FQ_TL(1);
     /* (block-uniform exits, before any role split) */

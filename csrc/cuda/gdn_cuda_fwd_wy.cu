@@ -819,17 +819,10 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
         cn = cnn;
     }
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
-    /* beside the backward's HST pass (launched after it with programmatic
-     * dependent launch, fq_cuda_fwd_wy_recompute): this grid completes only
-     * after that pass, so the kernel after it is ordered after both (a no-op
-     * in a plain launch) */
-    fq_pdl_wait();
 }
 
-/* pdl: launched with programmatic dependent launch (beside the HST pass
- * before it; the kernel's end wait orders the next kernel after both). */
 template <int K, int V, bool UO>
-static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, int pdl, cudaStream_t stream)
+static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, cudaStream_t stream)
 {
     int bytes = fq_wy_persistent_smem<K, V, UO>::bytes;
     int dev = 0, sms = 0, per_sm = 0, optin = 0;
@@ -844,33 +837,28 @@ static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, 
     int64_t blocks = (int64_t)sms * per_sm;
     if (blocks > items) blocks = items;
     if (blocks < 1) blocks = 1;
-    return fq_launch_k(fq_fwd_wy_persistent_kernel<K, V, UO>, (unsigned)blocks, 128, bytes, stream, pdl, args, items);
+    fq_fwd_wy_persistent_kernel<K, V, UO><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
+    FQ_CUDA_CHECK_LAUNCH();
+    return FQ_OK;
 }
 
 template <bool UO>
-static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, int pdl,
-                                       cudaStream_t stream)
+static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, cudaStream_t stream)
 {
-    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128, UO>(args, items, pdl, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64, UO>(args, items, pdl, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128, UO>(args, items, pdl, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64, UO>(args, items, pdl, stream);
-    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256, UO>(args, items, pdl, stream); /* issue 7 item 4 */
+    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128, UO>(args, items, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64, UO>(args, items, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128, UO>(args, items, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64, UO>(args, items, stream);
+    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256, UO>(args, items, stream); /* issue 7 item 4 */
     return fq_cuda_head_dims_unsupported(p);
-}
-
-static fq_status fq_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, int pdl, cudaStream_t stream)
-{
-    int64_t items = ws->nc_max * p->HV;
-    if (items <= 0) return FQ_OK;
-    const fq_wy_args args = fq_wy_args_of(p, ws);
-    return with_u ? fq_wy_persistent_dims<true>(p, args, items, pdl, stream)
-                  : fq_wy_persistent_dims<false>(p, args, items, pdl, stream);
 }
 
 extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream)
 {
-    return fq_wy_persistent(p, ws, with_u, 0, stream);
+    int64_t items = ws->nc_max * p->HV;
+    if (items <= 0) return FQ_OK;
+    const fq_wy_args args = fq_wy_args_of(p, ws);
+    return with_u ? fq_wy_persistent_dims<true>(p, args, items, stream) : fq_wy_persistent_dims<false>(p, args, items, stream);
 }
 
 /* ------------------------------------------------------------- inverse ----
@@ -1626,7 +1614,7 @@ extern "C" fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws,
 /* The backward's recompute runs the persistent kernel: the backward rows of
  * benchmarks/results were measured with it; the blocked one there is not. */
 extern "C" fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u,
-                                              int beside_states, cudaStream_t stream)
+                                              cudaStream_t stream)
 {
-    return fq_wy_persistent(p, ws, with_u, beside_states && fq_cuda_pdl_enabled(), stream);
+    return fq_cuda_fwd_wy_persistent(p, ws, with_u, stream);
 }
