@@ -427,9 +427,10 @@ static fq_status fq_bwd_state_launch_k(const fq_bwd_args &a, const fq_bwd_cp_arg
  * block (16, 32, 64), ks: K-split (1, 2); both 0: the environment variable
  * FLASHQLA_CUDA_BWD_STATE=BV:KS (read once; for timing the alternatives) or
  * else the pick, as the forward's stage B picks: K-split while every warp of
- * it still gets an SM sub-partition of its own (16-column groups <= 2 SMs),
- * then 16 columns per block if the groups fit the SMs one per SM, else 32;
- * without the K-split 64 columns (4 warps sharing the K and W tiles). */
+ * it still gets an SM sub-partition of its own (16-column groups <= 2 SMs;
+ * at K = 128 <= 1 SM, as measured), then 16 columns per block if the groups
+ * fit the SMs one per SM, else 32; without the K-split 32 columns up to 2
+ * SMs' worth of groups, else 64 (4 warps sharing the K and W tiles). */
 static fq_status fq_bwd_state_pass(const fq_gdn_params *p, const fq_bwd_args &a, const fq_bwd_cp_args &c, int cp,
                                    int64_t units, int cols, int bv, int ks, cudaStream_t stream)
 {
@@ -458,7 +459,11 @@ static fq_status fq_bwd_state_pass(const fq_gdn_params *p, const fq_bwd_args &a,
         ks = env_ks;
         if (p->K == 256 && (ks == 1 || bv == 64)) bv = ks = 0; /* not built at K = 256: the pick below */
     }
-    if (ks == 0) ks = p->K == 256 || groups <= 2 * (int64_t)sms ? 2 : 1; /* K = 256: always 2 */
+    /* the K-split up to 2 SMs' worth of groups, but at K = 128 only up to one:
+     * between one and two (16/32 heads, one sequence: 256 groups) ks 1 with
+     * bv 32 measured 6-10 % faster than ks 2 (benchmarks/NOTES.md, session 16) */
+    const int64_t ks2_max = p->K == 128 ? (int64_t)sms : 2 * (int64_t)sms;
+    if (ks == 0) ks = p->K == 256 || groups <= ks2_max ? 2 : 1; /* K = 256: always 2 */
     if (bv == 0) {
         if (ks == 2) bv = groups <= sms ? 16 : 32;
         else bv = groups <= 2 * (int64_t)sms ? 32 : 64;
