@@ -74,8 +74,6 @@
 
 #include "gdn_cuda_hopper.cuh"
 
-#include <cuda.h> /* CUtensorMap and its enums only: the encoder comes from the runtime */
-
 #include <stdlib.h> /* getenv */
 #include <string.h>
 
@@ -340,18 +338,6 @@ static __device__ __forceinline__ void fq_out_store(const float (&oacc)[32], uns
             const int piece = tp + 128 * q, r = piece >> 4, c4 = (piece & 15) * 4;
             if (r < len) *(float4 *)(orow + (int64_t)r * args.HV * args.V + c4) = *(const float4 *)fq_f32_tile(Us, r, c4);
         }
-    }
-}
-
-/* acc = A B^T over K (a fresh accumulator), A and B two 64-row K-major
- * operands of K/64 SWIZZLE_128B tiles from descriptors da, db: Q K^T, Q S. */
-template <int K>
-static __device__ __forceinline__ void fq_wgmma_ss_qk(float (&acc)[32], uint64_t da, uint64_t db)
-{
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
-        const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
-        fq_wgmma_ss_n64<0, 0>(acc, fq_desc_at(da, off), fq_desc_at(db, off), kk > 0);
     }
 }
 
@@ -1031,46 +1017,6 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
 }
 
 /* ------------------------------------------------------------- host ---- */
-
-typedef CUresult (*fq_encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                       const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-/* cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda
- * link), looked up once. */
-static fq_status fq_encoder(fq_encode_tiled_fn *fn)
-{
-    static fq_encode_tiled_fn cached = NULL;
-    if (!cached) {
-        void *f = NULL;
-        cudaDriverEntryPointQueryResult q;
-        FQ_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-        if (q != cudaDriverEntryPointSuccess || !f)
-            return fq_fail(FQ_ERR_CUDA, "the CUDA driver has no cuTensorMapEncodeTiled (driver too old?)");
-        cached = (fq_encode_tiled_fn)f;
-    }
-    *fn = cached;
-    return FQ_OK;
-}
-
-/* A bf16 (fp16) tensor map over rank dims (innermost first, elements) with the
- * given strides (bytes, dims 1..), 64 x ... boxes, SWIZZLE_128B. */
-static fq_status fq_tmap(CUtensorMap *m, const void *base, int rank, const uint64_t *dims, const uint64_t *strides,
-                         const uint32_t *box, int fp16 = 0)
-{
-    fq_encode_tiled_fn enc;
-    fq_status st = fq_encoder(&enc);
-    if (st != FQ_OK) return st;
-    cuuint64_t d[3], sb[2];
-    cuuint32_t bx[3], es[3] = {1, 1, 1};
-    for (int i = 0; i < rank; i++) { d[i] = dims[i]; bx[i] = box[i]; }
-    for (int i = 0; i < rank - 1; i++) sb[i] = strides[i];
-    CUresult r = enc(m, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, sb, bx, es,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) return fq_fail(FQ_ERR_CUDA, "cuTensorMapEncodeTiled failed (%d)", (int)r);
-    return FQ_OK;
-}
 
 /* The tensor maps of one call: q, k, v (bf16) and o (16-bit o at a 16-byte
  * aligned address; else the kernel stores o per thread); A'' (packed) comes

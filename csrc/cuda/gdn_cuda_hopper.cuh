@@ -2,7 +2,8 @@
  * gdn_cuda_hopper.cuh — the Hopper (sm_90a) instructions flashqla uses, as
  * inline-PTX wrappers, and nothing else: wgmma (warpgroup matrix multiply)
  * with its shared-memory descriptors, mbarrier, TMA tile loads
- * (cp.async.bulk.tensor), stmatrix, the async-proxy fence and setmaxnreg. Every wrapper compiles to nothing outside sm_90a
+ * (cp.async.bulk.tensor), stmatrix, the async-proxy fence and setmaxnreg, and
+ * on the host the encoding of the tensor maps TMA reads. Every wrapper compiles to nothing outside sm_90a
  * (__CUDA_ARCH_FEAT_SM90_ALL), so the compute_80 PTX fallback build stays
  * valid; kernels that use them run only where the sm_90a code does (the
  * launchers check the PTX version of the loaded kernel).
@@ -208,6 +209,18 @@ static __device__ __forceinline__ void fq_wgmma_rs_n128(float (&d)[64], const ui
 }
 #undef FQ_D8
 
+/* acc = A B^T over K (a fresh accumulator), A and B two 64-row K-major
+ * operands of K/64 SWIZZLE_128B tiles from descriptors da, db: Q K^T, Q S. */
+template <int K>
+static __device__ __forceinline__ void fq_wgmma_ss_qk(float (&acc)[32], uint64_t da, uint64_t db)
+{
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        const uint32_t off = (kk >> 2) * FQ_TILE + 32 * (kk & 3);
+        fq_wgmma_ss_n64<0, 0>(acc, fq_desc_at(da, off), fq_desc_at(db, off), kk > 0);
+    }
+}
+
 /* Four 8x8 b16 matrices from registers to shared memory (stmatrix): lane l
  * gives the address of row l % 8 of matrix l / 8; r[i] holds the thread's
  * pair of matrix i in the accumulator layout (row g, columns 2t, 2t+1).
@@ -357,6 +370,50 @@ static __device__ __forceinline__ void fq_tma_prefetch_desc(const void *tmap)
 #if FQ_SM90A
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)tmap) : "memory");
 #endif
+}
+
+/* ------------------------------------------------- tensor maps (host) ---- */
+
+#include <cuda.h> /* CUtensorMap and its enums only: the encoder comes from the runtime */
+
+typedef CUresult (*fq_encode_tiled_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                       const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda
+ * link), looked up once. */
+static inline fq_status fq_encoder(fq_encode_tiled_fn *fn)
+{
+    static fq_encode_tiled_fn cached = NULL;
+    if (!cached) {
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q;
+        FQ_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || !f)
+            return fq_fail(FQ_ERR_CUDA, "the CUDA driver has no cuTensorMapEncodeTiled (driver too old?)");
+        cached = (fq_encode_tiled_fn)f;
+    }
+    *fn = cached;
+    return FQ_OK;
+}
+
+/* A bf16 (fp16) tensor map over rank dims (innermost first, elements) with the
+ * given strides (bytes, dims 1..), 64 x ... boxes, SWIZZLE_128B. */
+static inline fq_status fq_tmap(CUtensorMap *m, const void *base, int rank, const uint64_t *dims, const uint64_t *strides,
+                         const uint32_t *box, int fp16 = 0)
+{
+    fq_encode_tiled_fn enc;
+    fq_status st = fq_encoder(&enc);
+    if (st != FQ_OK) return st;
+    cuuint64_t d[3], sb[2];
+    cuuint32_t bx[3], es[3] = {1, 1, 1};
+    for (int i = 0; i < rank; i++) { d[i] = dims[i]; bx[i] = box[i]; }
+    for (int i = 0; i < rank - 1; i++) sb[i] = strides[i];
+    CUresult r = enc(m, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, sb, bx, es,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) return fq_fail(FQ_ERR_CUDA, "cuTensorMapEncodeTiled failed (%d)", (int)r);
+    return FQ_OK;
 }
 
 #endif /* FQ_GDN_CUDA_HOPPER_CUH */
