@@ -64,7 +64,10 @@
  *     operand, 16 state columns per warp or warp pair, columns per block and
  *     K-split picked by the number of chains vs SMs (the environment variable
  *     FLASHQLA_CUDA_BWD_STATE=BV:KS, e.g. 32:1, forces one configuration, for
- *     timing the alternatives);
+ *     timing the alternatives); at K = V = 128 on sm_90a bwd_state90
+ *     (gdn_cuda_bwd_state_sm90.cu): the same pass warp-specialised (TMA loads,
+ *     dS^T as wgmma accumulators of one warpgroup per 64 columns) with step 3's
+ *     dv_local and dS_local formed on chip, so bwd_local there forms neither;
  *   5 + 6 for dk: bwd_wy (gdn_cuda_bwd_fused.cu), the same scheme as
  *     bwd_local, dk finished in the block; at K = V = 128 on sm_90a the same
  *     block with wgmma products (gdn_cuda_bwd_fused_sm90.cu, as bwd_local there).
@@ -253,10 +256,11 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     const int64_t nc = ws.f.nc_max;
     if ((st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[1], stream));
-    if (fq_bwd_cp(&ws)) {
-        if ((st = fq_cuda_fwd_segments(p, &ws.seg, 0, stream)) != FQ_OK) return st;
-        if ((st = fq_bwd_state_launch(p, args, &ws.seg, 0, 0, stream)) != FQ_OK) return st;
-    } else if ((st = fq_bwd_state_launch(p, args, NULL, 0, 0, stream)) != FQ_OK) {
+    const int cp = fq_bwd_cp(&ws);
+    if (cp && (st = fq_cuda_fwd_segments(p, &ws.seg, 0, stream)) != FQ_OK) return st;
+    if (fq_bwd_sm90_path(p)) {
+        if ((st = fq_bwd_state90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
+    } else if ((st = fq_bwd_state_launch(p, args, cp ? &ws.seg : NULL, 0, 0, stream)) != FQ_OK) {
         return st;
     }
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));

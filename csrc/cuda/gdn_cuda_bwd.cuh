@@ -125,6 +125,29 @@ struct fq_bwd_args {
     int state_vk;      /* [serving] dht, dh0 (and h0) stored [V][K] (fq_state_at) */
 };
 
+/* Context parallelism of the reverse pass (exact, as the forward's, DESIGN §2).
+ * Per chunk the pass is affine in dS:
+ *     dS <- (e^{g_C} I - W^T diag(kdecay) K) dS + (dS_local - W^T dv_local) = M_c dS + D_c
+ * with M_c (K x K) the same for every state column, so a segment of chunks maps
+ * the dS at its end to the dS at its start by [M | D] (K x (K + V)): the pass
+ * itself run from [I | 0] with dv_local = dS_local = 0 in the M columns. Modes:
+ *   CP 0  (FQ_BWD_CP_NONE) one chain per sequence from dht (no segment table);
+ *   CP 1  (FQ_BWD_CP_MAP)  per segment but each sequence's first, K + V columns:
+ *                          M blocks (columns < K) from I, D blocks from 0; nothing
+ *                          stored per chunk; [M | D] to c.md;
+ *   then fq_cp_combine_kernel<K, 1>: E_{n-1} = dht, E_{s-1} = M_s E_s + D_s (c.ss);
+ *   CP 2  (FQ_BWD_CP_SEG)  per segment from E_s (dht for a sequence of one segment),
+ *                          the per-chunk stores of CP 0; dh0 from each sequence's
+ *                          first segment. */
+#define FQ_BWD_CP_NONE 0
+#define FQ_BWD_CP_MAP 1
+#define FQ_BWD_CP_SEG 2
+struct fq_bwd_cp_args {
+    const fq_seg_info *segs; /* the segment table (fq_cuda_fwd_segments) */
+    float *md;               /* [cp_bound, HV, K, K + V] the segments' maps (by fq_seg_info.cp) */
+    const float *ss;         /* [cp_bound, HV, K, V] E_s, each split sequence's segment's start dS (by .cp) */
+};
+
 /* ------------------------------- epilogues shared by bwd_local / bwd_wy ----
  * (the mma.sync kernels of gdn_cuda_bwd_fused.cu and the wgmma ones of
  * gdn_cuda_bwd_fused_sm90.cu: the same fragment shape per thread) */
@@ -265,12 +288,24 @@ fq_status fq_bwd_state_launch(const fq_gdn_params *p, const fq_bwd_args &a, cons
  * over the GVA group; also finishes dk (GVA sum of the dK_O partials in
  * a.dkp, L2-norm backward). */
 fq_status fq_bwd_wy_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream);
+/* 1 where the backward runs its sm_90a kernels (gdn_cuda_bwd_fused_sm90.cu,
+ * gdn_cuda_bwd_state_sm90.cu): K = V = 128, this device runs the module's
+ * sm_90a code, and FLASHQLA_CUDA_BWD_SM90 is not 0 (read once: the mma.sync
+ * kernels and bwd_state on Hopper too, for timing and testing them). */
+int fq_bwd_sm90_path(const fq_gdn_params *p);
 /* bwd_local and bwd_wy on sm_90a (gdn_cuda_bwd_fused_sm90.cu): the same blocks
- * and results with wgmma products, K = V = 128; *done = 0 (and nothing
- * launched) where they do not apply (other sizes, no sm_90a code,
- * FLASHQLA_CUDA_BWD_SM90=0). */
+ * and results with wgmma products (bwd_local without dv_local, dS_local:
+ * bwd_state90 forms them); *done = 0 (and nothing launched) where
+ * fq_bwd_sm90_path says no. */
 fq_status fq_bwd_local90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream,
                                 int *done);
 fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream, int *done);
+/* bwd_state90 (gdn_cuda_bwd_state_sm90.cu), where fq_bwd_sm90_path: the reverse
+ * state pass as bwd_state (the same dsl, dvl, dh0 and context parallelism:
+ * segws as there) with dv_local and dS_local formed on chip from q, k, dO;
+ * one warp-specialised CTA per (sequence or segment, value head, 64 state
+ * columns). nc: the chunk-table bound (the workspace's per-chunk arrays). */
+fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
+                                cudaStream_t stream);
 
 #endif /* FQ_GDN_CUDA_BWD_CUH */

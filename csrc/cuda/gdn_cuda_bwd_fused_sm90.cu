@@ -4,8 +4,9 @@
  * the equations, epilogues, deterministic reduction slots and causality
  * selects of fq_bwd_local_kernel and fq_bwd_wy_kernel (gdn_cuda_bwd_fused.cu,
  * which keeps every other head size and the compute_80 PTX path), with each
- * product a warpgroup wgmma reading its operands from shared memory (one,
- * dS_local's, with its A operand from registers).
+ * product a warpgroup wgmma reading its operands from shared memory; bwd_local
+ * without dv_local and dS_local, which the reverse pass on sm_90a forms on
+ * chip (gdn_cuda_bwd_state_sm90.cu).
  *
  * Both: one block of two warpgroups (256 threads) per (chunk, q/k head),
  * looping over the GVA group's value heads with dQ or dK (64 x K fp32) in
@@ -153,28 +154,27 @@ template <int NR> static __device__ __forceinline__ void fq_wait_all(float (&x)[
 /* ============================================================ bwd_local ==== */
 
 /* Forward line:  O = scale (diag(e^g) Q S + P Vn),  P = lower_incl(Q K^T ⊙ Gamma)
- *   dv_local = scale P^T dO                          (bf16 -> a.dvl, for bwd_state)
  *   dP       = scale (dO Vn^T) ⊙ Gamma (lower incl.);  Z = dP ⊙ Q K^T
  *   F        = diag(scale e^g) dO S^T
  *   dQ       = F + dP K                (summed over the GVA group in registers)
  *   dK_O     = dP^T Q                  (summed likewise -> a.dkp, group slot)
  *   dgamma   = rowsum(F ⊙ Q) + rowsum(Z) - colsum(Z)           (-> a.dgam)
- *   dS_local = Q^T diag(scale e^g) dO  (K x V, bf16 -> a.dsl, for bwd_state)
  * then dq = r (dq_hat - q_hat (q_hat . dq_hat)) with use_qk_l2norm.
  *
  *   product                 A (major)                       B (major)
  *   QK = Q K^T              Q [r][kd] (K)                   K [s][kd] (K)
  *   dV = dO Vn^T            dO [r][v] (K)                   Vn [s][v] (K)
- *   dS_local                (Q^T diag(scale e^g)) registers dO [r][v] (MN)
  *   F = dO S^T              dO [r][v] (K)                   h [kd][v] (K)
  *   dQ += dP K              dP [r][s] (K)                   K [s][kd] (MN)
  *   dK_O = dP^T Q           dP [r][s] (MN)                  Q [r][kd] (MN)
- *   dv_local = P^T dO       P [r][s] (MN)                   dO [r][v] (MN)  */
+ * The mma.sync kernel (gdn_cuda_bwd_fused.cu) also forms dv_local = scale P^T dO
+ * and dS_local = Q^T diag(scale e^g) dO for bwd_state; beside this one the
+ * reverse pass bwd_state90 (gdn_cuda_bwd_state_sm90.cu) forms them on chip. */
 struct fq_local90_smem {
     static constexpr int off_q = 0;                        /* Q (rows scaled by rq) [r][kd] */
     static constexpr int off_k = off_q + 2 * FQ_TILE;   /* K (rows scaled by rk) [s][kd] */
     static constexpr int off_do = off_k + 2 * FQ_TILE;  /* dO [r][v]                     */
-    static constexpr int off_vn = off_do + 2 * FQ_TILE; /* Vn [s][v], then P | dP [r][s] */
+    static constexpr int off_vn = off_do + 2 * FQ_TILE; /* Vn [s][v], then dP [r][s]     */
     static constexpr int off_h = off_vn + 2 * FQ_TILE;  /* h = S [kd][v], 4 tiles        */
     static constexpr int off_vec = off_h + 4 * FQ_TILE;
     static constexpr int bytes = off_vec + 640 * 4 + 1024; /* + alignment slack */
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char *smem = smem_raw + ((1024 - (fq_smem_u32(smem_raw) & 1023)) & 1023);
     unsigned char *sQ = smem + SM::off_q, *sK = smem + SM::off_k, *sdO = smem + SM::off_do;
-    unsigned char *sVn = smem + SM::off_vn, *sP = sVn, *sdP = sVn + FQ_TILE, *sH = smem + SM::off_h;
+    unsigned char *sVn = smem + SM::off_vn, *sdP = sVn + FQ_TILE, *sH = smem + SM::off_h;
     float *sg = (float *)(smem + SM::off_vec), *sfo = sg + 64, *srq = sg + 128, *srk = sg + 192;
     /* deterministic reductions as in fq_bwd_local_kernel: row-sum slots [u][row],
      * column-sum slots [w][column] */
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
         __syncthreads();
 
         /* Q K^T and dO Vn^T (columns s = 32 u ..); P, dP, Z in registers */
-        uint32_t pp[4][2], dpp[4][2];
+        uint32_t dpp[4][2];
         {
             float qk[16], dv[16];
             fq_wgmma_fence();
@@ -282,20 +282,18 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int r = 16 * w + g + 8 * h;
-                    float pv[2], dpv[2];
+                    float dpv[2];
 #pragma unroll
                     for (int e2 = 0; e2 < 2; e2++) {
                         const int s = 32 * u + 8 * nb + 2 * t + e2;
                         /* lower_incl by selects (causality: never 0 * a non-finite value) */
                         const float Gm = __expf(sg[r] - sg[s]);
                         const float x = qk[4 * nb + 2 * h + e2];
-                        pv[e2] = r >= s ? x * Gm : 0.f;
                         dpv[e2] = r >= s ? a.scale * dv[4 * nb + 2 * h + e2] * Gm : 0.f;
                         const float z = r >= s ? dpv[e2] * x : 0.f;
                         rz[h] += z;
                         cz[nb][e2] += z;
                     }
-                    pp[nb][h] = fq_pack_bf16(pv[0], pv[1]);
                     dpp[nb][h] = fq_pack_bf16(dpv[0], dpv[1]);
                 }
             }
@@ -319,8 +317,6 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
 #pragma unroll
         for (int nb = 0; nb < 4; nb++) {
             const int s = 32 * u + 8 * nb + 2 * t, r = 16 * w + g;
-            *fq_tile_pair(sP, r, s) = pp[nb][0];
-            *fq_tile_pair(sP, r + 8, s) = pp[nb][1];
             *fq_tile_pair(sdP, r, s) = dpp[nb][0];
             *fq_tile_pair(sdP, r + 8, s) = dpp[nb][1];
         }
@@ -328,39 +324,6 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
         fq_fence_async_smem();
         __syncthreads();
 
-        /* dS_local = Q^T diag(scale e^g) dO: K x V, warpgroup u the rows kd = 64 u ..,
-         * in two passes of 64 columns; A = (Q^T diag(scale e^g)) from registers:
-         * ldmatrix.trans of Q's tile u (lane l: row r = 16 kk + l % 8 + 8 (m / 2) of
-         * matrix m = l / 8, columns kd 16 w + 8 (m % 2) ..), scaled by sfo[r] */
-#pragma unroll 1
-        for (int ic = 0; ic < 2; ic++) {
-            float acc[32];
-            uint32_t af[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                const int m = lane >> 3, rr = 16 * kk + (lane & 7) + 8 * (m >> 1);
-                fq_ldsm_x4_trans(af[kk], fq_smem_u32(sQ + u * FQ_TILE + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
-                const float f0 = sfo[16 * kk + 2 * t], f1 = sfo[16 * kk + 2 * t + 1];
-                const float f8 = sfo[16 * kk + 2 * t + 8], f9 = sfo[16 * kk + 2 * t + 9];
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float2 x = fq_unpack_bf16(af[kk][q]);
-                    af[kk][q] = q < 2 ? fq_pack_bf16(x.x * f0, x.y * f1) : fq_pack_bf16(x.x * f8, x.y * f9);
-                }
-            }
-            fq_wgmma_fence();
-            const uint64_t db = fq_dmn(sdO + ic * FQ_TILE);
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<1, 0>(acc, af[kk], fq_desc_at(db, 2048 * kk), kk > 0);
-            fq_wait_all(acc);
-            fq_bf16 *dst = a.dsl + tile * K * V;
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                const int r = 64 * u + 16 * w + g, col = 64 * ic + 8 * nb + 2 * t;
-                *(uint32_t *)(dst + r * V + col) = fq_pack_bf16(acc[4 * nb], acc[4 * nb + 1]);
-                *(uint32_t *)(dst + (r + 8) * V + col) = fq_pack_bf16(acc[4 * nb + 2], acc[4 * nb + 3]);
-            }
-        }
         /* F = diag(scale e^g) dO S^T:  dgamma += rowsum(F ⊙ Q);  dQ += F + dP K;  dK_O += dP^T Q */
         {
             float acc[32];
@@ -392,36 +355,10 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
             fq_reg_fence(dQ);
             fq_reg_fence(dKO);
         }
-        /* causality (issue 9): does dO hold a non-finite element? (a share
-         * of the tile per thread, reduced by the barrier) */
-        int do_bad_mine = 0;
-        for (int idx = tid; idx < 64 * 16; idx += blockDim.x) do_bad_mine |= fq_bf16x8_nonfinite(*fq_tile_piece<2>(sdO, idx));
-        /* dgamma complete; every warpgroup done with dO for dS_local and F */
-        const int do_bad = __syncthreads_or(do_bad_mine);
+        __syncthreads(); /* dgamma complete */
         if (tid < 64)
             a.dgam[tile * 64 + tid] =
                 sdgp[tid] + sdgp[64 + tid] - (scz[tid] + scz[64 + tid] + scz[128 + tid] + scz[192 + tid]);
-        if (do_bad) { /* causality, rare (block-uniform): dO's non-finite elements to zero for P^T dO */
-            fq_finite_tiles<2>(sdO, 64);
-            fq_fence_async_smem();
-            __syncthreads();
-        }
-
-        /* dv_local = scale P^T dO (last: fq_bwd_local_kernel says why) */
-        {
-            float acc[32];
-            fq_wgmma_fence();
-            fq_mm_64<1, 1>(acc, sP, sdO + u * FQ_TILE, 0);
-            fq_wait_all(acc);
-            fq_bf16 *dst = a.dvl + tile * 64 * V;
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                const int r = 16 * w + g, col = 64 * u + 8 * nb + 2 * t;
-                *(uint32_t *)(dst + r * V + col) = fq_pack_bf16(a.scale * acc[4 * nb], a.scale * acc[4 * nb + 1]);
-                *(uint32_t *)(dst + (r + 8) * V + col) =
-                    fq_pack_bf16(a.scale * acc[4 * nb + 2], a.scale * acc[4 * nb + 3]);
-            }
-        }
     }
 
     {
@@ -821,11 +758,16 @@ static fq_status fq_bwd_sm90_launch(const void *fn, int bytes, const fq_bwd_args
     return FQ_OK;
 }
 
+int fq_bwd_sm90_path(const fq_gdn_params *p)
+{
+    return p->K == 128 && p->V == 128 && fq_bwd_sm90_available();
+}
+
 fq_status fq_bwd_local90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream,
                                 int *done)
 {
     *done = 0;
-    if (p->K != 128 || p->V != 128 || !fq_bwd_sm90_available()) return FQ_OK;
+    if (!fq_bwd_sm90_path(p)) return FQ_OK;
     fq_status st = fq_bwd_sm90_launch((const void *)fq_bwd_local90_kernel, fq_local90_smem::bytes, a, nc, (int)p->H,
                                       stream);
     *done = st == FQ_OK;
@@ -835,7 +777,7 @@ fq_status fq_bwd_local90_launch(const fq_gdn_params *p, const fq_bwd_args &a, in
 fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream, int *done)
 {
     *done = 0;
-    if (p->K != 128 || p->V != 128 || !fq_bwd_sm90_available()) return FQ_OK;
+    if (!fq_bwd_sm90_path(p)) return FQ_OK;
     fq_status st = fq_bwd_sm90_launch((const void *)fq_bwd_wy90_kernel, fq_wy90_smem::bytes, a, nc, (int)p->H, stream);
     *done = st == FQ_OK;
     return st;

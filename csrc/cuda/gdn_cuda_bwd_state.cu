@@ -77,29 +77,6 @@ static __device__ __forceinline__ void fq_bar_pair(int grp)
     }
 }
 
-/* Context parallelism of the reverse pass (exact, as the forward's, DESIGN §2).
- * Per chunk the pass is affine in dS:
- *     dS <- (e^{g_C} I - W^T diag(kdecay) K) dS + (dS_local - W^T dv_local) = M_c dS + D_c
- * with M_c (K x K) the same for every state column, so a segment of chunks maps
- * the dS at its end to the dS at its start by [M | D] (K x (K + V)): the pass
- * itself run from [I | 0] with dv_local = dS_local = 0 in the M columns. Modes:
- *   CP 0  (FQ_BWD_CP_NONE) one chain per sequence from dht (no segment table);
- *   CP 1  (FQ_BWD_CP_MAP)  per segment but each sequence's first, K + V columns:
- *                          M blocks (columns < K) from I, D blocks from 0; nothing
- *                          stored per chunk; [M | D] to c.md;
- *   then fq_cp_combine_kernel<K, 1>: E_{n-1} = dht, E_{s-1} = M_s E_s + D_s (c.ss);
- *   CP 2  (FQ_BWD_CP_SEG)  per segment from E_s (dht for a sequence of one segment),
- *                          the per-chunk stores of CP 0; dh0 from each sequence's
- *                          first segment. */
-#define FQ_BWD_CP_NONE 0
-#define FQ_BWD_CP_MAP 1
-#define FQ_BWD_CP_SEG 2
-struct fq_bwd_cp_args {
-    const fq_seg_info *segs; /* the segment table (fq_cuda_fwd_segments) */
-    float *md;               /* [cp_bound, HV, K, K + V] the segments' maps (by fq_seg_info.cp) */
-    const float *ss;         /* [cp_bound, HV, K, V] E_s, each split sequence's segment's start dS (by .cp) */
-};
-
 template <int K, int NW, int NS, int KS, int CP>
 __global__ void __launch_bounds__(NW * KS * 32, 1) fq_bwd_state_kernel(fq_bwd_args a, int V, fq_bwd_cp_args c)
 {

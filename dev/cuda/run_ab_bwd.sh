@@ -1,0 +1,72 @@
+#!/bin/bash
+# dev/cuda/run_ab_bwd.sh: A/B of two source trees' CUDA backward in one device call
+# (dev/cuda/check_bwd.cu of each tree against its own library kernels). A is the
+# baseline tree (e.g. a worktree at the last commit), B this tree; both binaries
+# are built here, on the development machine, and carried:
+#
+#   here:    bash dev/cuda/run_ab_bwd.sh build /work/wt_base      -> .devbin_bwd/check_bwd_{a,b}.xz
+#   device:  bash dev/cuda/run_ab_bwd.sh run                       (carry [".devbin_bwd"])
+#
+# run: B's full check (every correctness case against the float64 reference, then
+# the ANCHORS.md backward rows timed), A's timings, B's timings again (drift shows as
+# B vs B), B's small cases with FLASHQLA_CUDA_BWD_SM90=0 (the mma.sync kernels and
+# bwd_state on Hopper), compute-sanitizer memcheck and racecheck of B on the small
+# cases; a table of the per-row times of A and B last. Logs in $OUT. FQ_AB_NO_SAN=1
+# leaves the sanitizers out. Further binaries .devbin_bwd/check_bwd_[c-z].xz (variants
+# built by hand, e.g. with a diagnostic patch) are timed too.
+set -u
+MODE=${1:-run}
+OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/../.." || exit 1
+BIN=$PWD/.devbin_bwd
+if [ "$MODE" = build ]; then
+    OTHER=${2:?usage: run_ab_bwd.sh build BASELINE_TREE}
+    rm -rf "$BIN"; mkdir -p "$BIN"
+    NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -gencode arch=compute_90a,code=sm_90a"
+    for side in a b; do
+        tree=$PWD; [ $side = a ] && tree=$OTHER
+        B=/tmp/fq_ab_bwd_$side; rm -rf $B; mkdir -p $B
+        gcc -std=c11 -O2 -I"$tree/csrc" -c "$tree/csrc/gdn_common.c" -o $B/gdn_common.o || exit 1
+        (cd "$tree" && ls dev/cuda/check_bwd.cu csrc/cuda/gdn_cuda_*.cu) |
+            xargs -P 2 -I{} sh -c "cd '$tree' && $NV -Icsrc -Xcompiler -fopenmp -Xptxas -v -c {} -o $B/\$(basename {} .cu).o > $B/\$(basename {} .cu).log 2>&1 || { echo FAIL {}; cat $B/\$(basename {} .cu).log | grep -A3 error | head -20; }"
+        $NV -o "$BIN/check_bwd_$side" $B/*.o -lgomp || exit 1
+        echo "=== $side ($tree): ptxas of the backward files"
+        cat $B/gdn_cuda_bwd*.log | grep -E "spill|registers" | sort | uniq -c | head -12
+    done
+    xz -T2 -6 "$BIN"/check_bwd_*
+    ls -la "$BIN"
+    exit 0
+fi
+RUNBIN=/tmp/fq_ab_bwd_bin; mkdir -p $RUNBIN
+for f in "$BIN"/check_bwd_*.xz; do xz -dc "$f" > $RUNBIN/$(basename "$f" .xz) && chmod +x $RUNBIN/$(basename "$f" .xz); done
+BIN=$RUNBIN
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+T0=$(date +%s)
+echo "=== B: full check + timings"
+OMP_NUM_THREADS=$(nproc) timeout 150 $BIN/check_bwd_b > $OUTDIR/check_b.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
+grep -E "FAIL|error|capture" $OUTDIR/check_b.log | head -20
+sed -n '/==== summary/,$p' $OUTDIR/check_b.log | head -24
+echo "=== A: timings"
+OMP_NUM_THREADS=$(nproc) timeout 90 $BIN/check_bwd_a time > $OUTDIR/time_a.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
+echo "=== B: timings again"
+OMP_NUM_THREADS=$(nproc) timeout 90 $BIN/check_bwd_b time > $OUTDIR/time_b2.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
+for x in $(ls $BIN | grep -E '^check_bwd_[c-z]$'); do # (extra variants, built by hand: timings only)
+    echo "=== ${x#check_bwd_}: timings"
+    OMP_NUM_THREADS=$(nproc) timeout 90 $BIN/$x time > $OUTDIR/time_${x#check_bwd_}.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
+done
+echo "--- B small, FLASHQLA_CUDA_BWD_SM90=0 (the mma.sync kernels and bwd_state, as off sm_90a)"
+FLASHQLA_CUDA_BWD_SM90=0 OMP_NUM_THREADS=$(nproc) timeout 60 $BIN/check_bwd_b small 2>&1 | tail -8
+if [ -z "${FQ_AB_NO_SAN:-}" ] && command -v compute-sanitizer >/dev/null; then
+    echo "=== B memcheck and racecheck, small (in parallel)"
+    ( timeout 90 compute-sanitizer --tool memcheck --print-limit 10 $BIN/check_bwd_b small > $OUTDIR/memcheck_b.log 2>&1 ) &
+    j1=$!
+    ( timeout 90 compute-sanitizer --tool racecheck --print-limit 10 $BIN/check_bwd_b small > $OUTDIR/racecheck_b.log 2>&1 ) &
+    j2=$!
+    wait $j1 $j2
+    echo "memcheck:  $(grep -E 'FAIL|ALL OK|ERROR SUMMARY' $OUTDIR/memcheck_b.log | tail -3 | tr '\n' ' ')"
+    echo "racecheck: $(grep -E 'FAIL|ALL OK|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck_b.log | tail -3 | tr '\n' ' ')"
+fi
+echo "=== per row (ms): total rec loc st wy  (A, B, B again) at $(( $(date +%s) - T0 )) s"
+for f in time_a check_b time_b2 $(cd $OUTDIR && ls time_[c-z].log 2>/dev/null | sed 's/.log$//'); do
+    echo "--- $f"; sed -n '/^shape /,/^$/p' $OUTDIR/$f.log | grep -v "^$" | head -8
+done
