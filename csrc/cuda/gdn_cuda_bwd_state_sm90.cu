@@ -130,6 +130,28 @@ static __device__ __forceinline__ void fq_bst_store_t(unsigned char *dst, const 
     fq_stsm_x4_t(fq_smem_u32(dst + (row >> 6) * FQ_TILE + fq_sw128(row & 63, 2 * v0)), a[0], a[1], a[2], a[3]);
 }
 
+/* The chain's per-chunk store of a bf16 A operand (NK K-steps, 64 rows v) to global
+ * memory: transposed (fq_bst_store_t) into the staging tile set stg, then one TMA store
+ * (tm, box at (c0, 0, tile)) by thread tc = 0 of the chain warpgroup. The staging is free
+ * once the store of the chunk before has read it: the other staging's store, committed
+ * after that one, may still be pending. */
+template <int NK>
+static __device__ __forceinline__ void fq_bst_stage_store(unsigned char *stg, const uint32_t (&a)[NK][4],
+                                                         const CUtensorMap *tm, int c0, int tile, int tc, int w,
+                                                         int lane)
+{
+    if (tc == 0) fq_bulk_wait_read<1>();
+    fq_named_bar(2, 128);
+#pragma unroll
+    for (int kk = 0; kk < NK; kk++) fq_bst_store_t(stg, a[kk], kk, w, lane);
+    fq_fence_async_smem();
+    fq_named_bar(2, 128);
+    if (tc == 0) {
+        fq_tma_store_3d(tm, stg, c0, 0, tile);
+        fq_bulk_commit();
+    }
+}
+
 /* The address stmatrix / ldmatrix use for K-step kk of a 64 x 64 tile in the
  * accumulator's own layout (rows = M, fq_stsm_pairs of gdn_cuda_fwd_fused.cuh) */
 static __device__ __forceinline__ uint32_t fq_bst_pair_addr(const unsigned char *tile, int kk, int w, int lane)
@@ -424,21 +446,9 @@ __global__ void __launch_bounds__(384, 1)
                 for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 0>(S, qa[kk], fq_desc_at(dqm, 2048 * kk), 1);
                 fq_wgmma_commit();
             }
-            if constexpr (!MAP) {
-                /* dS_next[c] = dS' (bf16 [K][V]) while the products run (sb is their A operand, read
-                 * here too): the staging is free once the store of the chunk before has read it
-                 * (one store group, dVn's, committed after it) */
-                if (tc == 0) fq_bulk_wait_read<1>();
-                fq_named_bar(2, 128);
-#pragma unroll
-                for (int kk = 0; kk < K / 16; kk++) fq_bst_store_t(sDs, sb[kk], kk, w, lane);
-                fq_fence_async_smem();
-                fq_named_bar(2, 128);
-                if (tc == 0) {
-                    fq_tma_store_3d(&tm_ds, sDs, 64 * vb, 0, tile);
-                    fq_bulk_commit();
-                }
-            }
+            /* dS_next[c] = dS' (bf16 [K][V]) while the products run (sb is their A operand, read
+             * here too) */
+            if constexpr (!MAP) fq_bst_stage_store<K / 16>(sDs, sb, &tm_ds, 64 * vb, tile, tc, w, lane);
             float kdc[16];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
@@ -477,21 +487,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 1>(S, va[kk], fq_desc_at(dwm, 2048 * kk), 1);
             fq_wgmma_commit();
-            if constexpr (!MAP) {
-                /* dVn (bf16 [64][V]) to dvl while the update runs (va is its A operand), the staging
-                 * free once the store of the chunk before has read it (dS_next's store committed
-                 * after it) */
-                if (tc == 0) fq_bulk_wait_read<1>();
-                fq_named_bar(2, 128);
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) fq_bst_store_t(sDv, va[kk], kk, w, lane);
-                fq_fence_async_smem();
-                fq_named_bar(2, 128);
-                if (tc == 0) {
-                    fq_tma_store_3d(&tm_dv, sDv, 64 * vb, 0, tile);
-                    fq_bulk_commit();
-                }
-            }
+            /* dVn (bf16 [64][V]) to dvl while the update runs (va is its A operand) */
+            if constexpr (!MAP) fq_bst_stage_store<4>(sDv, va, &tm_dv, 64 * vb, tile, tc, w, lane);
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
             fq_mbar_arrive(&empty[s]); /* K, W, Q, dO and the vectors read */

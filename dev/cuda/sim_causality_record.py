@@ -73,6 +73,9 @@ import warnings
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sim_causality_bwd import check  # noqa: E402  (the same check: finite and exact where the reference is)
+
 _spec = importlib.util.spec_from_file_location(  # flashqla/reference.py alone (no built extension needed)
     "fq_reference", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "flashqla", "reference.py"))
 reference = importlib.util.module_from_spec(_spec)
@@ -293,18 +296,6 @@ def run(q, k, v, g, beta, h0, do, dht, scale, l2, on, C=64):
     return o[:T], ht, hst, grads
 
 
-def check(name, x, ref, tol=1e-9):
-    fin = np.isfinite(ref)
-    leak = fin & ~np.isfinite(x)
-    if leak.any():
-        return f"{name}: {int(leak.sum())} non-finite where the reference is finite (first {np.argwhere(leak)[0]})"
-    if fin.any():
-        e = np.linalg.norm((x - ref)[fin]) / max(np.linalg.norm(ref[fin]), 1e-300)
-        if e > tol:
-            return f"{name}: rel error {e:.2e} on the finite entries"
-    return None
-
-
 CASES = [("v", [100], 0), ("k", [100], 0), ("beta", [100], 0), ("g", [100], 0), ("g", [128], 0), ("g", [127], 0),
          ("g", [140], 0), ("g", [5], 0), ("g", [100, 110], 0), ("g", [70, 130], 0), ("do", [100], 0), ("none", [], 0),
          ("k", [100], 1), ("g", [100], 1), ("none", [], 1)]
@@ -381,25 +372,23 @@ def main():
         print(f"NaN in {tag:11s} at {str(toks):10s}: reference finite {nfin}: " + ("OK" if not msgs else "; ".join(msgs)))
         fails += bool(msgs)
     if "--no-ablations" not in sys.argv:
-        print("ablations (each rule / NEW item off in turn; the cases that then fail, and which gradients):")
-        for name, what in RULES.items():
-            broke = []
+        def broken(opts):
+            """the cases that fail with these switches, and which gradients"""
+            out = []
             for field, toks, l2 in CASES:
-                msgs, _ = one_case(field, toks, l2, dict(on, **{name: False}), 0, False)
+                msgs, _ = one_case(field, toks, l2, opts, 0, False)
                 if msgs:
                     names = sorted({m.split(":")[0] for m in msgs})
-                    broke.append(f"{field}{'+l2' if l2 else ''}{toks if len(toks) != 1 or field == 'g' else ''}"
-                                 + f" ({', '.join(names)})")
+                    out.append(f"{field}{'+l2' if l2 else ''}{toks if len(toks) != 1 or field == 'g' else ''}"
+                               + f" ({', '.join(names)})")
+            return out
+        print("ablations (each rule / NEW item off in turn; the cases that then fail, and which gradients):")
+        for name, what in RULES.items():
+            broke = broken(dict(on, **{name: False}))
             print(f"  without {name}: {what}:\n    " + ("; ".join(broke) if broke else "passes: not needed"))
         print("alternatives (one at a time, on top of the rules):")
         for name, what in ALTS.items():
-            broke = []
-            for field, toks, l2 in CASES:
-                msgs, _ = one_case(field, toks, l2, dict(on, **{name: True}), 0, False)
-                if msgs:
-                    names = sorted({m.split(":")[0] for m in msgs})
-                    broke.append(f"{field}{'+l2' if l2 else ''}{toks if len(toks) != 1 or field == 'g' else ''}"
-                                 + f" ({', '.join(names)})")
+            broke = broken(dict(on, **{name: True}))
             print(f"  {name}: {what}:\n    " + ("fails: " + "; ".join(broke) if broke else "passes too"))
     if fails:
         print("FAIL")
