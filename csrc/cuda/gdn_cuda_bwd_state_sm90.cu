@@ -130,24 +130,27 @@ static __device__ __forceinline__ void fq_bst_store_t(unsigned char *dst, const 
     fq_stsm_x4_t(fq_smem_u32(dst + (row >> 6) * FQ_TILE + fq_sw128(row & 63, 2 * v0)), a[0], a[1], a[2], a[3]);
 }
 
-/* The chain's per-chunk store of a bf16 A operand (NK K-steps, 64 rows v) to global
- * memory: transposed (fq_bst_store_t) into the staging tile set stg, then one TMA store
- * (tm, box at (c0, 0, tile)) by thread tc = 0 of the chain warpgroup. The staging is free
- * once the store of the chunk before has read it: the other staging's store, committed
- * after that one, may still be pending. */
-template <int NK>
-static __device__ __forceinline__ void fq_bst_stage_store(unsigned char *stg, const uint32_t (&a)[NK][4],
-                                                         const CUtensorMap *tm, int c0, int tile, int tc, int w,
-                                                         int lane)
+/* The chain's per-chunk stores of dS_next (ds: 8 K-steps of a bf16 A operand, 64 rows v)
+ * and dVn (dv: 4 K-steps) to global memory: each transposed (fq_bst_store_t) into its
+ * staging tiles, one proxy fence, then two TMA stores (boxes at (c0, 0, tile)) by thread
+ * tc = 0 of the chain warpgroup, one bulk group. The staging is free once the group of
+ * the chunk before has read it. */
+static __device__ __forceinline__ void fq_bst_stage_stores(unsigned char *sds, const uint32_t (&ds)[8][4],
+                                                          unsigned char *sdv, const uint32_t (&dv)[4][4],
+                                                          const CUtensorMap *tm_ds, const CUtensorMap *tm_dv, int c0,
+                                                          int tile, int tc, int w, int lane)
 {
-    if (tc == 0) fq_bulk_wait_read<1>();
+    if (tc == 0) fq_bulk_wait_read<0>();
     fq_named_bar(2, 128);
 #pragma unroll
-    for (int kk = 0; kk < NK; kk++) fq_bst_store_t(stg, a[kk], kk, w, lane);
+    for (int kk = 0; kk < 8; kk++) fq_bst_store_t(sds, ds[kk], kk, w, lane);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) fq_bst_store_t(sdv, dv[kk], kk, w, lane);
     fq_fence_async_smem();
     fq_named_bar(2, 128);
     if (tc == 0) {
-        fq_tma_store_3d(tm, stg, c0, 0, tile);
+        fq_tma_store_3d(tm_ds, sds, c0, 0, tile);
+        fq_tma_store_3d(tm_dv, sdv, c0, 0, tile);
         fq_bulk_commit();
     }
 }
@@ -446,9 +449,6 @@ __global__ void __launch_bounds__(384, 1)
                 for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 0>(S, qa[kk], fq_desc_at(dqm, 2048 * kk), 1);
                 fq_wgmma_commit();
             }
-            /* dS_next[c] = dS' (bf16 [K][V]) while the products run (sb is their A operand, read
-             * here too) */
-            if constexpr (!MAP) fq_bst_stage_store<K / 16>(sDs, sb, &tm_ds, 64 * vb, tile, tc, w, lane);
             float kdc[16];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
@@ -487,8 +487,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 1>(S, va[kk], fq_desc_at(dwm, 2048 * kk), 1);
             fq_wgmma_commit();
-            /* dVn (bf16 [64][V]) to dvl while the update runs (va is its A operand) */
-            if constexpr (!MAP) fq_bst_stage_store<4>(sDv, va, &tm_dv, 64 * vb, tile, tc, w, lane);
+            /* dS_next[c] = dS' (bf16 [K][V]) and dVn (bf16 [64][V]) to dsl, dvl while the update
+             * runs (va is its A operand; sb's product is complete): one proxy fence per chunk */
+            if constexpr (!MAP)
+                fq_bst_stage_stores(sDs, sb, sDv, va, &tm_ds, &tm_dv, 64 * vb, tile, tc, w, lane);
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
             fq_mbar_arrive(&empty[s]); /* K, W, Q, dO and the vectors read */
