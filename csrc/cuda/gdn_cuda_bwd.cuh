@@ -22,19 +22,22 @@ static __device__ __forceinline__ float fq_quad_sum(float x)
     return x;
 }
 
-/* Causality (issue 9): the non-finite elements of one 16-byte piece of bf16
- * to zero, in place (a select; the piece is rewritten only when it holds one). */
+/* Causality (issue 9): the mask that zeroes the non-finite halves of a bf16 pair
+ * (x & fq_bf16x2_finite_mask(x): a select). */
+static __device__ __forceinline__ uint32_t fq_bf16x2_finite_mask(uint32_t x)
+{
+    const uint32_t y = x & 0x7f807f80u;
+    return ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) & ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
+}
+
+/* ... of one 16-byte piece of bf16, in place (rewritten only when it holds one). */
 static __device__ __forceinline__ void fq_zero_nonfinite8(uint4 *pp)
 {
     uint4 x = *pp;
     uint32_t *xs = (uint32_t *)&x;
     if (fq_bf16x8_nonfinite(x)) {
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const uint32_t y = xs[q] & 0x7f807f80u;
-            xs[q] &= ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) &
-                     ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
-        }
+        for (int q = 0; q < 4; q++) xs[q] &= fq_bf16x2_finite_mask(xs[q]);
         *pp = x;
     }
 }
@@ -110,8 +113,8 @@ struct fq_bwd_args {
     const float *rq, *rk;
     const float *gamma, *kdecay;
     const fq_bf16 *w, *h, *vn, *a;
-    fq_bf16 *dvl;      /* [nc, HV, 64, V]: dv_local (step 3), then dVn (step 4) */
-    fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4) */
+    fq_bf16 *dvl;      /* [nc, HV, 64, V]: dv_local (step 3), then dVn (step 4); bwd_state90: dVn only */
+    fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4); bwd_state90: dS_next only */
     float *dgam;       /* [nc, HV, 64] dgamma of step 3                          */
     float *dkp;        /* [B*T, H, K] bwd_local's dK_O summed over the GVA group  */
     const void *q, *k, *beta, *dout;

@@ -207,17 +207,6 @@ static __device__ __forceinline__ void fq_chain_store_state(const float *S, floa
         }
 }
 
-/* Accumulator n8 blocks nb0, nb0 + 1 of warp w (16 rows) as bf16 pairs
- * p<nb><h> (h: rows + 8) into a 64 x 64 bf16 SWIZZLE_128B tile at columns
- * 8 nb (tile rows = accumulator rows): one stmatrix. */
-static __device__ __forceinline__ void fq_stsm_pairs(unsigned char *tile, int w, int nb0, uint32_t p00, uint32_t p01,
-                                                     uint32_t p10, uint32_t p11)
-{
-    const int l = threadIdx.x & 31, i = l >> 3;
-    const int row = 16 * w + 8 * (i & 1) + (l & 7), nb = nb0 + (i >> 1);
-    fq_stsm_x4(fq_smem_u32(tile + fq_sw128(row, 16 * (nb & 7))), p00, p01, p10, p11);
-}
-
 /* HST: one group of four 8 x 8 blocks of a bf16 SWIZZLE_128B tile `src`
  * (rows v = 8 (4 vh + m) .. for matrix m, the 16 bytes at byte cbyte of each
  * row) transposed into the staging tile `dst` (rows 8 cb .., bytes

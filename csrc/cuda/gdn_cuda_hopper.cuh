@@ -243,6 +243,26 @@ static __device__ __forceinline__ void fq_stsm_x4_t(uint32_t addr, uint32_t r0, 
 #endif
 }
 
+/* Lane l's stmatrix / ldmatrix address for accumulator n8 blocks nb0, nb0 + 1
+ * of warp w (16 rows) in a 64 x 64 bf16 SWIZZLE_128B tile whose rows are the
+ * accumulator's rows, columns 8 nb: row l % 8 of matrix l / 8 = (block
+ * nb0 + l / 16, rows + 8 ((l / 8) % 2)). */
+static __device__ __forceinline__ uint32_t fq_pair_addr(const unsigned char *tile, int w, int nb0, int l)
+{
+    const int i = l >> 3;
+    const int row = 16 * w + 8 * (i & 1) + (l & 7), nb = nb0 + (i >> 1);
+    return fq_smem_u32(tile + fq_sw128(row, 16 * (nb & 7)));
+}
+
+/* Accumulator n8 blocks nb0, nb0 + 1 of warp w as bf16 pairs p<nb><h> (h:
+ * rows + 8) into such a tile: one stmatrix (ldmatrix at the same address
+ * gives the pairs back, fq_acc_to_a's A fragment). */
+static __device__ __forceinline__ void fq_stsm_pairs(unsigned char *tile, int w, int nb0, uint32_t p00, uint32_t p01,
+                                                     uint32_t p10, uint32_t p11)
+{
+    fq_stsm_x4(fq_pair_addr(tile, w, nb0, threadIdx.x & 31), p00, p01, p10, p11);
+}
+
 /* --------------------------------------------------------------- mbarrier ---- */
 
 static __device__ __forceinline__ void fq_mbar_init(uint64_t *bar, int count)
