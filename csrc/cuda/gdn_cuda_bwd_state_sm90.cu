@@ -113,13 +113,6 @@ static __device__ __forceinline__ void fq_bst_dot_frag(uint32_t (&a)[4], const u
     fq_ldsm_x4_trans(a, fq_smem_u32(dot + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
 }
 
-/* The non-finite halves of a bf16 pair to zero (a select) */
-static __device__ __forceinline__ uint32_t fq_bst_finite2(uint32_t x)
-{
-    const uint32_t y = x & 0x7f807f80u;
-    return x & ((y & 0xffffu) == 0x7f80u ? 0xffff0000u : 0xffffffffu) & ((y >> 16) == 0x7f80u ? 0x0000ffffu : 0xffffffffu);
-}
-
 /* An A operand's 8 x 8 blocks stored transposed (stmatrix.trans) into a
  * staging tile set: K-step kk of a 64-row (v) operand, whose K-index
  * (16 kk ..) becomes the destination row (tile (16 kk) / 64), v the column */
@@ -155,13 +148,6 @@ static __device__ __forceinline__ void fq_bst_stage_stores(unsigned char *sds, c
     }
 }
 
-/* The address stmatrix / ldmatrix use for K-step kk of a 64 x 64 tile in the
- * accumulator's own layout (rows = M, fq_stsm_pairs of gdn_cuda_fwd_fused.cuh) */
-static __device__ __forceinline__ uint32_t fq_bst_pair_addr(const unsigned char *tile, int kk, int w, int lane)
-{
-    const int i = lane >> 3, row = 16 * w + 8 * (i & 1) + (lane & 7), nb = 2 * kk + (i >> 1);
-    return fq_smem_u32(tile + fq_sw128(row, 16 * nb));
-}
 #endif
 
 template <int CP>
@@ -332,7 +318,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int kk = 0; kk < 4; kk++) {
                 fq_bst_dot_frag(za[kk], sm + SM::off_do, kk, w, lane);
 #pragma unroll
-                for (int q = 0; q < 4; q++) za[kk][q] = fq_bst_finite2(za[kk][q]);
+                for (int q = 0; q < 4; q++) za[kk][q] &= fq_bf16x2_finite_mask(za[kk][q]);
             }
             float gc[16], rkc[16], gr[2], pr[2];
 #pragma unroll
@@ -363,7 +349,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int kk = 0; kk < 4; kk++) fq_acc_to_a(pf[kk], &pacc[8 * kk], 1.f);
             fq_named_bar(1, 128); /* every warp done with the previous chunk's P (its wgmma waited for) */
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_stsm_x4(fq_bst_pair_addr(sP, kk, w, lane), pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3]);
+            for (int kk = 0; kk < 4; kk++) fq_stsm_x4(fq_pair_addr(sP, w, 2 * kk, lane), pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3]);
             fq_fence_async_smem();
             fq_named_bar(1, 128);
             /* dVn_local^T = dO^T P (P [r][s] MN-major) */
@@ -381,7 +367,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int kk = 0; kk < 4; kk++) {
                 uint32_t lf[4];
                 fq_acc_to_a(lf, &lacc[8 * kk], 1.f);
-                fq_stsm_x4(fq_bst_pair_addr(L, kk, w, lane), lf[0], lf[1], lf[2], lf[3]);
+                fq_stsm_x4(fq_pair_addr(L, w, 2 * kk, lane), lf[0], lf[1], lf[2], lf[3]);
             }
             fq_mbar_arrive(&lfull[b]); /* (read by ldmatrix: generic proxy, the barrier orders it) */
         }
@@ -465,7 +451,7 @@ __global__ void __launch_bounds__(384, 1)
                 fq_mbar_wait(&lfull[b], (st >> 1) & 1);
                 const unsigned char *L = smem + SM::off_l + b * FQ_TILE;
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++) fq_ldsm_x4(lf[kk], fq_bst_pair_addr(L, kk, w, lane));
+                for (int kk = 0; kk < 4; kk++) fq_ldsm_x4(lf[kk], fq_pair_addr(L, w, 2 * kk, lane));
                 fq_mbar_arrive(&lempty[b]);
             } else {
 #pragma unroll
