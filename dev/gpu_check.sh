@@ -23,7 +23,9 @@
 # redraws it from the JSON). FQ_TOTAL_BUDGET (s, default 540) bounds the whole run: each stage
 # gets what is left minus a reserve for the later ones, the benchmark skips rows it has no
 # time for and gives FLA's process what is left. FQ_BENCH_ARGS adds arguments to bench_gpu.py
-# (e.g. "--rows fwd", "--rows fwd,train", "--no-fla"). FQ_PRE_CMD: a dev command run after the
+# (e.g. "--rows fwd", "--rows fwd,train", "--no-fla"). FQ_PYTEST_K: a pytest -k expression that
+# narrows the GPU tests (e.g. "recurrent or serving" after a change to the recurrent step only;
+# a kernel change is done only after the whole GPU suite ran). FQ_PRE_CMD: a dev command run after the
 # build, before the tests (output in $OUT/pre.log). FQ_COMMIT: the commit recorded in the
 # results JSON (the device copy has no .git).
 #
@@ -293,6 +295,7 @@ if [ "$TESTS" = 1 ]; then
         stage_end "skipped (no time left)"
     else
         SEL=(-m gpu); [ "$ALLTESTS" = 1 ] && SEL=()
+        [ -n "${FQ_PYTEST_K:-}" ] && SEL+=(-k "$FQ_PYTEST_K")
         TO=(); python3 -c "import pytest_timeout" > /dev/null 2>&1 && TO=(--timeout=120)
         # torch.compile's tests in-process: at 4f71228 pytest had finished every test and then
         # waited at exit for inductor's compile-worker pool until the cap's SIGINT (rc 124)

@@ -7,31 +7,29 @@
  *     o_t     = scale S_t^T q_t = scale (alpha_t S^T q_t + u_t (k_t . q_t))
  *     S      <- alpha_t S + k_t u_t^T
  *
- * One warp per item (sequence n, value head j, 8 state columns). Lane l
- * holds K/16 state rows of 4 columns in fp32 registers (fq_rec_f4_offset
- * says which), read once and written back once. Per token:
+ * A block of 128 threads takes one item at a time (sequence n, value head
+ * j, 32 state columns): its state tile (K x 32 fp32) is read once and
+ * written back once, every warp instruction covering whole 128-byte lines
+ * (the lane maps below; decode is bound by how well the pool streams
+ * through DRAM). The grid is what is resident at once (4 blocks per SM) and
+ * block b walks items b, b + G, ...: while it computes one, the next one's
+ * tile is on its way into its other shared-memory stage (cp.async, each
+ * thread its own pieces, so no block barrier guards a stage), and the
+ * index loads of the one after that are in flight. Decode on a [K, V] pool
+ * with many items per block launches one block per item instead (the
+ * launcher says why). Per token:
  *
- *     partial sums over the lane's rows of S^T k, S^T q (4 columns each) and
- *     of k.q, |k|^2, |q|^2 (for use_qk_l2norm: q = rq q_raw, k = rk k_raw)
- *     -> a butterfly over the 16 row groups (__shfl_xor 1, 2, 4, 8): every
- *     lane has the totals, computes u and o for its 4 columns and updates
- *     its rows; lanes 0 and 16 store o.
+ *     partial sums over the thread's elements of S^T k, S^T q (its columns)
+ *     and of k.q, |k|^2, |q|^2 (for use_qk_l2norm: q = rq q_raw, k = rk
+ *     k_raw) -> totals over K ([K, V]: lanes, then the 4 warps through
+ *     shared memory; [V, K]: a transposing reduction over the lanes) ->
+ *     u and o for the thread's columns, the update of its elements.
  *
- * A block of NW warps takes NW adjacent items at a time (a block item, 8 NW
- * columns); the grid is what is resident at once and block b walks block
- * items b, b + G, b + 2G, ... While it computes one, the next one's state
- * tile and first NPF tokens (q, k rows, v columns: 1 token for T = 1, else 4)
- * are on their way into the block's other shared-memory stage (cp.async by
- * all its threads, along memory: a [K, V] tile 128 contiguous bytes per row
- * at NW = 4, a [V, K] tile one contiguous run), its gates into registers, and
- * the index loads (cu_seqlens, state_indices) of the block item after that
- * are in flight: no load is waited for where it is issued, every block keeps
- * a tile in flight (decode is bound by the bytes in flight per SM), one block
- * barrier per item. NW = 4, fewer when that would leave SMs without a block
- * (N = 1, HV = 32: 256 blocks of 2 warps). Launched with programmatic
- * dependent launch: the blocks of a decode step are resident while the step
- * before finishes, and wait for it (griddepcontrol.wait) before their first
- * load.
+ * The next token's inputs (q, k, v, gates; the next item's first token
+ * after an item's last) are loaded while one computes. Launched with
+ * programmatic dependent launch: the blocks of a decode step are resident
+ * while the step before finishes, and wait for it (griddepcontrol.wait)
+ * before their first load.
  *
  * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
  * rows of the sequence written as 0, the pool untouched; a slot an earlier
@@ -47,8 +45,10 @@
  *
  * The kernels before it (one block of 128 threads per 32 columns with a
  * shared-memory reduction, commit ea9c650; one warp per item without
- * prefetch, commit d791258; per-warp stages, commit c6a0c89) are in git
- * history and benchmarks/NOTES.md.
+ * prefetch, commit d791258; per-warp stages, commit c6a0c89; blocks of 1-4
+ * warps walking items with a two-stage cp.async ring and a lane map of
+ * 32-byte row pieces, commit a059362) are in git history and
+ * benchmarks/NOTES.md (session 18: why the lane map matters).
  */
 #include "gdn_cuda_common.cuh"
 
@@ -83,183 +83,222 @@ static __device__ __forceinline__ float fq_ldg_f(const void *p, fq_dtype dt, int
     }
 }
 
-/* ------------------------------------------------------------ staging ----
- *
- * A block of NW warps (1, 2 or 4) takes one block item at a time: (sequence
- * n, value head j, 8 NW columns), warp w of it the 8 columns 8 w .. of the
- * group. Each block owns two stages in shared memory. A stage holds the
- * block item's state tile (K rows x 8 NW columns, fp32) and the raw q row,
- * k row and v columns of its first NPF tokens, copied there by cp.async
- * (all threads of the block together) while the block computes the item
- * before it. The copy runs along memory: [K, V] 16 rows of 32 NW contiguous
- * bytes per warp instruction (128 bytes at NW = 4), [V, K] the tile is one
- * contiguous run. Tokens: [q: K | k: K | v: 8 NW] elements per token. */
-template <int K, int NPF, int ES> struct fq_rec_stage {
-    static constexpr int RK = K / 16;            /* float4 of state per thread */
-    static constexpr int qk_bytes = K * ES;      /* one q (or k) row */
-    static __host__ __device__ constexpr int state_bytes(int nw) { return RK * 512 * nw; }
-    static __host__ __device__ constexpr int tok_bytes(int nw) { return 2 * qk_bytes + 8 * nw * ES; }
-    static __host__ __device__ constexpr int bytes(int nw) { return state_bytes(nw) + NPF * tok_bytes(nw); }
-};
-
-/* The 16-byte slot of state slot s in a stage. [K, V]: s = row * 2 NW +
- * chunk (chunk: 4 columns), swizzled (the low 3 bits xor (row / 4) & 7, a
- * permutation inside each aligned group of 8 slots, which never spans more
- * than one value of row / 4) so that a warp's reads of 8 rows 4 apart hit 8
- * different bank groups; [V, K]: s = column * K / 4 + row / 4, as is. */
-template <int VK>
-static __device__ __forceinline__ int fq_rec_phys(int s, int row)
+/* N consecutive elements (N = 2, 4, 8 or 16; N ES bytes aligned to min(16,
+ * N ES)) of q, k or v at p as raw words (4- to 16-byte loads), and the words
+ * -> float: the inputs of the next token wait in registers packed. */
+template <int N, int ES>
+static __device__ __forceinline__ void fq_rec_ldw(const unsigned char *p, uint32_t (&w)[N * ES / 4])
 {
-    return VK ? s : s ^ ((row >> 2) & 7);
-}
-
-/* The lane's state entries. Lane l = 16 cg + rg of warp w holds columns
- * c0 .. c0 + 3 (c0 = 8 NW grp + 8 w + 4 cg) of the rows
- *     row(i) = 64 (i / 4) + 4 rg + (i % 4),   i = 0 .. RK - 1,
- * as S[i][e] (e: the column). Its RK float4 in memory: [K, V] (kv) float4 f is
- * row(f), columns c0 .. c0 + 3; [V, K] (vk) float4 f is column c0 + f / (K/64),
- * rows 64 (f % (K/64)) + 4 rg .. + 3. Either way a warp's store of one float4
- * number (fq_rec_tile_store) covers whole 32-byte sectors (kv: 16 rows x 32
- * bytes; vk: 2 columns x 256 contiguous bytes). */
-template <int K, int VK>
-static __device__ __forceinline__ int fq_rec_f4_offset(int f, int V)
-{
-    /* relative to the lane's first float4: kv 4 rg * V + c0, vk c0 * K + 4 rg */
-    if (!VK) return (64 * (f / 4) + (f % 4)) * V;
-    constexpr int KH = K / 64;
-    return (f / KH) * K + 64 * (f % KH);
-}
-
-/* The lane's first float4 in a state [K, V] or [V, K] at base. */
-template <int K, int VK>
-static __device__ __forceinline__ int fq_rec_lane_offset(int rg, int c0, int V)
-{
-    return VK ? c0 * K + 4 * rg : 4 * rg * V + c0;
-}
-
-template <int K, int VK>
-static __device__ __forceinline__ void fq_rec_f4_to_S(float S[K / 16][4], int f, float4 x)
-{
-    if (!VK) {
-        S[f][0] = x.x; S[f][1] = x.y; S[f][2] = x.z; S[f][3] = x.w;
-    } else {
-        constexpr int KH = K / 64;
-        const int e = f / KH, i = 4 * (f % KH);
-        S[i][e] = x.x; S[i + 1][e] = x.y; S[i + 2][e] = x.z; S[i + 3][e] = x.w;
-    }
-}
-
-template <int K, int VK>
-static __device__ __forceinline__ float4 fq_rec_S_to_f4(const float S[K / 16][4], int f)
-{
-    if (!VK) return make_float4(S[f][0], S[f][1], S[f][2], S[f][3]);
-    constexpr int KH = K / 64;
-    const int e = f / KH, i = 4 * (f % KH);
-    return make_float4(S[i][e], S[i + 1][e], S[i + 2][e], S[i + 3][e]);
-}
-
-template <int K, int VK>
-static __device__ __forceinline__ void fq_rec_tile_store(const float S[K / 16][4], float *base, int rg, int c0, int V)
-{
-    base += fq_rec_lane_offset<K, VK>(rg, c0, V);
+    if constexpr (N * ES == 4) w[0] = *(const uint32_t *)p;
+    else if constexpr (N * ES == 8) { const uint2 x = *(const uint2 *)p; w[0] = x.x; w[1] = x.y; }
+    else {
 #pragma unroll
-    for (int f = 0; f < K / 16; f++) *(float4 *)(base + fq_rec_f4_offset<K, VK>(f, V)) = fq_rec_S_to_f4<K, VK>(S, f);
-}
-
-/* cp.async of the block item's state tile (head: the value head's state,
- * colbase: its first column) into a stage; lw = log2(2 NW), tid: the thread
- * in the block. Each thread copies RK slots. */
-template <int K, int VK>
-static __device__ __forceinline__ void fq_rec_tile_copy(unsigned char *stage, const float *head, int colbase, int lw,
-                                                        int V, int tid)
-{
-    const int nth = 16 << lw; /* 32 NW threads */
-#pragma unroll
-    for (int p = 0; p < K / 16; p++) {
-        const int s = p * nth + tid;
-        if (!VK) {
-            const int row = s >> lw, ch = s & ((1 << lw) - 1);
-            fq_cp_async16(stage + 16 * fq_rec_phys<0>(s, row), head + row * V + colbase + 4 * ch, 16);
-        } else {
-            fq_cp_async16(stage + 16 * s, head + colbase * K + 4 * s, 16);
+        for (int h = 0; h < N * ES / 16; h++) {
+            const uint4 x = ((const uint4 *)p)[h];
+            w[4 * h] = x.x; w[4 * h + 1] = x.y; w[4 * h + 2] = x.z; w[4 * h + 3] = x.w;
         }
     }
 }
-
-/* The lane's RK float4 of the tile from a stage (warp wib of the block). */
-template <int K, int VK>
-static __device__ __forceinline__ void fq_rec_tile_read(float S[K / 16][4], const unsigned char *stage, int lw, int wib,
-                                                        int rg, int cg)
+template <int N, int ES>
+static __device__ __forceinline__ void fq_rec_unpack(const uint32_t *w, fq_dtype dt, float (&out)[N])
 {
 #pragma unroll
-    for (int f = 0; f < K / 16; f++) {
-        int phys;
-        if (!VK) {
-            const int row = 64 * (f / 4) + 4 * rg + (f % 4);
-            phys = fq_rec_phys<0>((row << lw) + 2 * wib + cg, row);
+    for (int h = 0; h < N; h++) {
+        if constexpr (ES == 4) {
+            out[h] = __uint_as_float(w[h]);
         } else {
-            constexpr int KH = K / 64;
-            phys = (8 * wib + 4 * cg + f / KH) * (K / 4) + 16 * (f % KH) + rg;
-        }
-        fq_rec_f4_to_S<K, VK>(S, f, *(const float4 *)(stage + 16 * phys));
-    }
-}
-
-/* cp.async of tokens row0 .. row0 + n - 1 (n <= NPF) into the token part of a
- * stage, the block's threads sharing the 16-byte pieces. */
-template <int K, int NPF, int ES>
-static __device__ __forceinline__ void fq_rec_tok_copy(unsigned char *stage, const fq_rec_args &a, int64_t row0,
-                                                       int n, int hq, int j, int colbase, int nw, int tid)
-{
-    typedef fq_rec_stage<K, NPF, ES> SG;
-    constexpr int QC = SG::qk_bytes / 16;
-    const int TC = SG::tok_bytes(nw) / 16;
-    unsigned char *dst = stage + SG::state_bytes(nw);
-    for (int c = tid; c < n * TC; c += 32 * nw) {
-        const int t = c / TC, w = c % TC;
-        const int64_t row = row0 + t;
-        const unsigned char *src;
-        if (w < QC) src = (const unsigned char *)a.q + (row * a.H + hq) * (int64_t)SG::qk_bytes + 16 * w;
-        else if (w < 2 * QC) src = (const unsigned char *)a.k + (row * a.H + hq) * (int64_t)SG::qk_bytes + 16 * (w - QC);
-        else src = (const unsigned char *)a.v + ((row * a.HV + j) * a.V + colbase) * (int64_t)ES + 16 * (w - 2 * QC);
-        fq_cp_async16(dst + t * SG::tok_bytes(nw) + 16 * w, src, 16);
-    }
-}
-
-/* 4 elements of ES bytes at a stage address -> float */
-template <int ES>
-static __device__ __forceinline__ void fq_rec_ld4(const unsigned char *s, fq_dtype dt, float out[4])
-{
-    if constexpr (ES == 4) {
-        const float4 x = *(const float4 *)s;
-        out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
-    } else {
-        const uint2 x = *(const uint2 *)s;
-        const uint32_t w[2] = {x.x, x.y};
-#pragma unroll
-        for (int h = 0; h < 4; h++) {
             const unsigned short b = (unsigned short)(w[h >> 1] >> (16 * (h & 1)));
             out[h] = dt == FQ_BF16 ? __uint_as_float((uint32_t)b << 16) : __half2float(__ushort_as_half(b));
         }
     }
 }
 
-/* A block item: (sequence n, value head j, column group grp of 8 NW
- * columns); ngrp = V / (8 NW) groups per head, items < 2^30 (checked on the
- * host). Its index loads (cu_seqlens, state_indices) are
- * issued two items ahead and resolved one item ahead, so that no load is
- * waited for where it is issued. */
+/* --------------------------------------------------------- lane maps ----
+ *
+ * A block of 128 threads takes one item: (sequence n, value head j, 32
+ * state columns c0 .. c0 + 31, c0 = 32 sl). Its state tile is K rows x 128
+ * bytes of a [K, V] state or 32 rows of K contiguous floats of a [V, K] one;
+ * every warp instruction that reads or writes it covers whole 128-byte lines
+ * (dev/cuda/bench_decode_stream.cu: a map of 32-byte pieces of 16 rows per
+ * instruction reached 2.0 TB/s on the H100 where this one reaches 2.65-2.8,
+ * memcpy's 2.85-2.95).
+ *
+ * [K, V] (kv): thread t holds columns c0 + 4 (t % 8) .. + 3 of the RK = K / 16
+ * consecutive rows RK (t / 8) .. as S[i][e] (row RK (t / 8) + i, column
+ * c0 + 4 (t % 8) + e); a warp instruction i covers rows RK (4 w + 0..3) + i,
+ * 128 bytes each. S^T k over the rows: the thread's rows, lanes xor 8 and 16
+ * (the warp's 4 row groups), then the 4 warps through shared memory.
+ *
+ * [V, K] (vk): warp w holds the tile's rows (state columns) c0 + 8 w + i,
+ * i < 8; lane l the elements k = KL l + 128 h + e (KL = min(K, 128) / 32
+ * consecutive elements per 128-element half, h < K / 128) as S[i][KL h + e]:
+ * a warp instruction covers one row's 512 (K = 128) contiguous bytes. S^T k
+ * along the row: a transposing reduction over the warp's lanes (no shared
+ * memory, no block barrier). */
+template <int K> struct fq_rec_kv_map {
+    static constexpr int RK = K / 16;            /* rows per thread */
+};
+template <int K> struct fq_rec_vk_map {
+    static constexpr int KL = (K < 128 ? K : 128) / 32; /* consecutive k per lane and half */
+    static constexpr int NH = K > 128 ? K / 128 : 1;    /* halves */
+    static constexpr int KE = KL * NH;                  /* k elements per lane */
+};
+
+/* The thread's state elements of one head's state at base (pool slot or
+ * intermediate state), in the maps above: NP pieces of PB bytes per thread
+ * (kv: the RK rows' float4; vk: per row and half the KL floats). A stage
+ * keeps piece i of thread t at (128 i + t) PB: each thread copies its own
+ * pieces in (cp.async) and reads only those back, so no block barrier
+ * guards a stage. */
+template <int K, int VK> struct fq_rec_pieces {
+    static constexpr int NP = VK ? 8 * fq_rec_vk_map<K>::NH : K / 16;
+    static constexpr int PB = VK ? 4 * fq_rec_vk_map<K>::KL : 16;
+    static constexpr int stage_bytes = 128 * NP * PB;
+};
+
+/* piece i of thread t: its offset in floats from the head's state */
+template <int K, int VK>
+static __device__ __forceinline__ int fq_rec_piece_at(int i, int V, int c0, int t)
+{
+    if (!VK) return (K / 16 * (t >> 3) + i) * V + c0 + 4 * (t & 7);
+    typedef fq_rec_vk_map<K> M;
+    return (c0 + 8 * (t >> 5) + i / M::NH) * K + 128 * (i % M::NH) + M::KL * (t & 31);
+}
+
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_copy(unsigned char *stage, const float *base, int V, int c0, int t)
+{
+    typedef fq_rec_pieces<K, VK> P;
+#pragma unroll
+    for (int i = 0; i < P::NP; i++) {
+        unsigned char *d = stage + (128 * i + t) * P::PB;
+        const float *src = base + fq_rec_piece_at<K, VK>(i, V, c0, t);
+        if constexpr (P::PB == 16) fq_cp_async16(d, src, 16);
+        else fq_cp_async8(d, src);
+    }
+}
+
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_read(float (&S)[8][K / 16], const unsigned char *stage, int t)
+{
+    typedef fq_rec_pieces<K, VK> P;
+#pragma unroll
+    for (int i = 0; i < P::NP; i++) {
+        const unsigned char *src = stage + (128 * i + t) * P::PB;
+        if (!VK) {
+            const float4 x = *(const float4 *)src;
+            S[0][i] = x.x; S[1][i] = x.y; S[2][i] = x.z; S[3][i] = x.w;
+        } else {
+            typedef fq_rec_vk_map<K> M;
+            const int r = i / M::NH, e0 = M::KL * (i % M::NH);
+            if constexpr (M::KL == 2) {
+                const float2 x = *(const float2 *)src;
+                S[r][e0] = x.x; S[r][e0 + 1] = x.y;
+            } else {
+                const float4 x = *(const float4 *)src;
+                S[r][e0] = x.x; S[r][e0 + 1] = x.y; S[r][e0 + 2] = x.z; S[r][e0 + 3] = x.w;
+            }
+        }
+    }
+}
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_st(const float (&S)[8][K / 16], float *base, int V, int c0, int t)
+{
+    typedef fq_rec_pieces<K, VK> P;
+#pragma unroll
+    for (int i = 0; i < P::NP; i++) {
+        float *d = base + fq_rec_piece_at<K, VK>(i, V, c0, t);
+        if (!VK) {
+            *(float4 *)d = make_float4(S[0][i], S[1][i], S[2][i], S[3][i]);
+        } else {
+            typedef fq_rec_vk_map<K> M;
+            const int r = i / M::NH, e0 = M::KL * (i % M::NH);
+            if constexpr (M::KL == 2) *(float2 *)d = make_float2(S[r][e0], S[r][e0 + 1]);
+            else *(float4 *)d = make_float4(S[r][e0], S[r][e0 + 1], S[r][e0 + 2], S[r][e0 + 3]);
+        }
+    }
+}
+/* (Both maps keep 8 K / 16 = K / 2 floats per thread in S[8][K / 16]: kv
+ * uses S[e][i] for its 4 columns e (rows 4..7 unused), vk S[i][kk] for its
+ * 8 rows i and K / 16 = KE elements kk.) */
+
+/* One token's inputs for the thread, raw: its q and k elements (kv: rows
+ * RK (t / 8) ..; vk: the lane's k elements), its v elements (kv: its 4
+ * columns; vk: the value of row c0 + 8 w + (lane / 2) % 8, as float bits),
+ * and the gates. */
+template <int K, int ES> struct fq_rec_tok {
+    static constexpr int NW = K / 16 * ES / 4; /* words of q (of k) */
+    uint32_t q[NW], k[NW], v[ES];
+    float g, b;
+};
+
+template <int K, int ES, int VK>
+static __device__ __forceinline__ void fq_rec_tok_ld(fq_rec_tok<K, ES> &x, const fq_rec_args &a, int64_t row, int hq,
+                                                     int j, int c0, int t)
+{
+    constexpr int NE = K / 16;
+    const unsigned char *qr = (const unsigned char *)a.q + (row * a.H + hq) * (int64_t)(K * ES);
+    const unsigned char *kr = (const unsigned char *)a.k + (row * a.H + hq) * (int64_t)(K * ES);
+    const unsigned char *vr = (const unsigned char *)a.v + (row * a.HV + j) * (int64_t)a.V * ES;
+    if (!VK) {
+        const int r0 = NE * (t >> 3);
+        fq_rec_ldw<NE, ES>(qr + r0 * ES, x.q);
+        fq_rec_ldw<NE, ES>(kr + r0 * ES, x.k);
+        fq_rec_ldw<4, ES>(vr + (c0 + 4 * (t & 7)) * ES, x.v);
+    } else {
+        typedef fq_rec_vk_map<K> M;
+        constexpr int HW = M::KL * ES / 4; /* words per half */
+        const int l = t & 31;
+#pragma unroll
+        for (int h = 0; h < M::NH; h++) {
+            uint32_t qq[HW], kk[HW];
+            fq_rec_ldw<M::KL, ES>(qr + (M::KL * l + 128 * h) * ES, qq);
+            fq_rec_ldw<M::KL, ES>(kr + (M::KL * l + 128 * h) * ES, kk);
+#pragma unroll
+            for (int e = 0; e < HW; e++) x.q[HW * h + e] = qq[e], x.k[HW * h + e] = kk[e];
+        }
+        const int c = c0 + 8 * (t >> 5) + ((l >> 1) & 7);
+        x.v[0] = __float_as_uint(fq_ld_f(vr, a.dtype, c));
+    }
+    const int64_t gi = row * a.HV + j;
+    x.g = fq_ldg_f(a.g, a.gate_dtype, gi);
+    x.b = fq_ldg_f(a.beta, a.gate_dtype, gi);
+}
+
+/* x where the mask m is all ones, else y (bitwise: no indexed access) */
+static __device__ __forceinline__ float fq_rec_sel(uint32_t m, float x, float y)
+{
+    return __uint_as_float((__float_as_uint(x) & m) | (__float_as_uint(y) & ~m));
+}
+
+/* One step of the transposing reduction over a warp's lanes: of 2 HALF
+ * values the lane keeps HALF (the upper ones where lane bit log2(HALF) + 1
+ * is set), adding the partner's (lane xor 2 HALF) same ones. */
+template <int HALF> static __device__ __forceinline__ void fq_rec_tred(float (&x)[16], int lane)
+{
+    const uint32_t hm = 0u - (uint32_t)((lane >> (31 - __clz(2 * HALF))) & 1);
+#pragma unroll
+    for (int e = 0; e < HALF; e++) {
+        const float keep = fq_rec_sel(hm, x[HALF + e], x[e]), send = fq_rec_sel(hm, x[e], x[HALF + e]);
+        x[e] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * HALF);
+    }
+}
+
+#define FQ_REC_RED 12 /* kv: S^T k (4), S^T q (4), k.q, |k|^2, |q|^2, (pad) */
+
+/* An item's index loads (cu_seqlens, state_indices), issued two items
+ * ahead and resolved one item ahead, so that no load is waited for where it
+ * is issued; items < 2^30 (checked on the host). */
 struct fq_rec_item {
-    int it;
     int64_t c0raw, c1raw, slotraw;
 };
 
-static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq_rec_args &a, int it, int items, int ngrp)
+static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq_rec_args &a, int it, int items,
+                                                        int nsl)
 {
-    d.it = it;
     d.c0raw = d.c1raw = d.slotraw = 0;
     if (it >= items) return;
-    const int n = it / (ngrp * a.HV);
+    const int n = it / (nsl * a.HV);
     if (a.cu) {
         d.c0raw = fq_ld_index(a.cu, a.cu_is64, n);
         d.c1raw = fq_ld_index(a.cu, a.cu_is64, n + 1);
@@ -268,19 +307,21 @@ static __device__ __forceinline__ void fq_rec_item_load(fq_rec_item &d, const fq
 }
 
 /* Resolved: bounds clamped to [0, T] (invalid offsets never read out of
- * bounds), the slot (valid only with has_state: 0 <= slot < P, P < 2^31),
- * and whether the state tile is read at all. */
+ * bounds), the slot (valid only with has_state: 0 <= slot < P, P < 2^31;
+ * the state is read at all only then), the state's offset. An item past the
+ * last: nothing (len 0, no state). */
 struct fq_rec_where {
-    int64_t bos;
-    int n, len, slot, j, grp, hq, has_state;
+    int64_t bos, head;
+    int n, j, c0, hq, len, slot, has_state;
 };
 
-static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item &d, const fq_rec_args &a, int ngrp)
+static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item &d, const fq_rec_args &a, int it,
+                                                              int items, int nsl, int K)
 {
     fq_rec_where w;
-    w.n = d.it / (ngrp * a.HV);
-    w.j = (d.it / ngrp) % a.HV;
-    w.grp = d.it % ngrp;
+    w.n = it / (nsl * a.HV);
+    w.j = (it / nsl) % a.HV;
+    w.c0 = 32 * (it % nsl);
     w.hq = w.j / (a.HV / a.H);
     int64_t len;
     if (a.cu) {
@@ -293,227 +334,269 @@ static __device__ __forceinline__ fq_rec_where fq_rec_resolve(const fq_rec_item 
         w.bos = (int64_t)w.n * a.T;
         len = a.T;
     }
+    if (it >= items) len = 0;
     w.len = (int)len; /* T < 2^31 (checked on the host) */
     w.has_state = d.slotraw >= 0 && d.slotraw < a.P && len > 0;
     w.slot = w.has_state ? (int)d.slotraw : 0;
+    w.head = ((int64_t)w.slot * a.HV + w.j) * (int64_t)K * a.V;
     return w;
 }
 
-/* The raw gates of an item's first NPF tokens (and its fused-gate
- * parameters), loaded one item ahead through the read-only path. */
-template <int NPF> struct fq_rec_gates {
-    float g[NPF], b[NPF], A_log, dtb;
+/* A slot an earlier sequence names too belongs to that one (issue 9): the
+ * block's threads compare state_indices[0 .. n) with it, no early exit. The
+ * first 256 indices are loaded a whole item before they are compared
+ * (fq_rec_dup_load, then fq_rec_dup_test after the item); the rest, for
+ * n > 256, at the compare. */
+struct fq_rec_dup {
+    int64_t x[2];
 };
 
-template <int NPF>
-static __device__ __forceinline__ void fq_rec_gates_load(fq_rec_gates<NPF> &x, const fq_rec_args &a, const fq_rec_where &w,
-                                                         int t0)
+static __device__ __forceinline__ void fq_rec_dup_load(fq_rec_dup &p, const fq_rec_args &a, const fq_rec_where &w,
+                                                       int t)
 {
+    const int on = a.idx && w.has_state;
 #pragma unroll
-    for (int i = 0; i < NPF; i++) {
-        const int64_t gi = (w.bos + t0 + i) * a.HV + w.j;
-        const int ok = t0 + i < w.len;
-        x.g[i] = ok ? fq_ldg_f(a.g, a.gate_dtype, gi) : 0.f;
-        x.b[i] = ok ? fq_ldg_f(a.beta, a.gate_dtype, gi) : 0.f;
-    }
-    x.A_log = a.A_log ? __ldg(a.A_log + w.j) : 0.f;
-    x.dtb = a.dt_bias ? __ldg(a.dt_bias + w.j) : 0.f;
+    for (int c = 0; c < 2; c++) p.x[c] = on && t + 128 * c < w.n ? fq_ld_index(a.idx, a.idx_is64, t + 128 * c) : -1;
 }
 
-/* A slot an earlier sequence names too belongs to that one (issue 9): scan
- * state_indices[0 .. n) (loads in flight together, no early exit). */
-static __device__ __forceinline__ int fq_rec_is_dup(const fq_rec_args &a, const fq_rec_where &w, int lane)
+static __device__ __forceinline__ int fq_rec_dup_test(const fq_rec_dup &p, const fq_rec_args &a, const fq_rec_where &w,
+                                                      int t)
 {
-    if (!a.idx || !w.has_state) return 0;
     int dup = 0;
-#pragma unroll 4
-    for (int m = lane; m < w.n; m += 32) dup |= fq_ld_index(a.idx, a.idx_is64, m) == (int64_t)w.slot;
-    return __any_sync(0xffffffffu, dup);
+    if (a.idx && w.has_state) {
+        dup = p.x[0] == (int64_t)w.slot || p.x[1] == (int64_t)w.slot;
+        for (int m = t + 256; m < w.n; m += 128) dup |= fq_ld_index(a.idx, a.idx_is64, m) == (int64_t)w.slot;
+    }
+    return __syncthreads_or(dup); /* (block-uniform) */
 }
 
-#define FQ_REC_RED 11 /* S^T k (4), S^T q (4), k.q, |k|^2, |q|^2 */
-
-/* Resident blocks of 4 warps per SM asked of the compiler (the state in
- * flight is what bounds decode: 16 KB per block, prefetched one item ahead).
- * T = 1: 5 (96 registers, no spill; 34 KB of stages per block at bf16);
- * groups of 4 tokens: 4 (128 registers, no spill; 37 KB of stages at bf16,
- * 41 KB at fp32). K = 256 (issue 7 item 4): the lane holds 16 float4 of
- * state (64 registers) and 16 + 16 of q, k; 2 blocks (stages of 66-83 KB
- * per block, 32 KB of state each). */
-template <int K, int NPF, int ES, int VK>
-__global__ void __launch_bounds__(128, (K > 128 ? 2 : (NPF == 1 ? 5 : 4))) fq_recurrent_kernel(fq_rec_args a)
+/* Resident blocks per SM asked of the compiler: 128 threads, the state in
+ * registers (K / 2 floats) and the current and next token's inputs (128
+ * registers at K = 128, 8-72 bytes of spill, most outside the token loop; 4
+ * blocks measured faster than 3 without spills); two stages of K x 32 fp32
+ * (16 KB at K = 128) per block. */
+template <int K, int ES, int VK>
+__global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_recurrent_kernel(fq_rec_args a)
 {
-    typedef fq_rec_stage<K, NPF, ES> SG;
-    constexpr int RK = K / 16;
-    extern __shared__ __align__(16) unsigned char fq_rec_smem[];
-    const int tid = threadIdx.x, lane = tid & 31, wib = tid >> 5, nw = blockDim.x >> 5;
-    const int lw = nw == 4 ? 3 : nw; /* log2(2 NW) */
-    const int G = gridDim.x, w0 = blockIdx.x;
-    const int sbytes = SG::bytes(nw); /* stage b at fq_rec_smem + b * sbytes */
-    const int HV = a.HV, V = a.V, ngrp = V / (8 * nw);
-    const int items = (int)a.N * HV * ngrp;
-    const int rg = lane & 15, cg = lane >> 4;
+    typedef fq_rec_pieces<K, VK> PC;
+    extern __shared__ __align__(16) unsigned char fq_rec_smem[]; /* stage b at b * PC::stage_bytes */
+    __shared__ __align__(16) float red[2][4][8][FQ_REC_RED];    /* kv: [token parity][warp][column group][value] */
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    const int HV = a.HV, V = a.V, nsl = V / 32;
+    const int items = (int)a.N * HV * nsl;
+    const int G = gridDim.x;
 
     /* programmatic dependent launch: nothing is read before the kernel
      * before this one is complete (the cu_seqlens check, or the caller's) */
     fq_pdl_wait();
     fq_pdl_trigger();
-    if (a.flags && a.flags[0]) {
+    /* the validity flag and the first item's index loads in flight together */
+    const int bad = a.flags ? a.flags[0] : 0;
+    fq_rec_item d;
+    fq_rec_item_load(d, a, blockIdx.x, items, nsl);
+    if (bad) {
         /* invalid cu_seqlens: o <- NaN (grid-stride), nothing else written */
         const int64_t total = a.T * HV * V, nth = (int64_t)gridDim.x * blockDim.x;
         const float nan = __int_as_float(0x7fc00000);
-        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += nth)
-            fq_st_f(a.o, a.dtype, i, nan);
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + t; i < total; i += nth) fq_st_f(a.o, a.dtype, i, nan);
         return;
     }
 
-    /* prologue: block item w0 resolved and its stage issued; item w0 + G's
-     * index loads in flight */
-    fq_rec_item dn;
-    fq_rec_item_load(dn, a, w0, items, ngrp);
-    fq_rec_where cur = fq_rec_resolve(dn, a, ngrp);
-    fq_rec_item_load(dn, a, w0 + G, items, ngrp);
-    fq_rec_gates<NPF> gc = {};
-    int dup = 0;
-    if (w0 < items) { /* (always so: the grid is at most the block items) */
-        if (cur.has_state)
-            fq_rec_tile_copy<K, VK>(fq_rec_smem, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), 8 * nw * cur.grp,
-                                    lw, V, tid);
-        fq_rec_tok_copy<K, NPF, ES>(fq_rec_smem, a, cur.bos, min(NPF, cur.len), cur.hq, cur.j, 8 * nw * cur.grp, nw, tid);
-        fq_rec_gates_load<NPF>(gc, a, cur, 0);
-        dup = fq_rec_is_dup(a, cur, lane);
-    }
+    /* prologue: the block's first item resolved, its state tile and first
+     * token on their way, its duplicate scan done; the next item's index
+     * loads in flight */
+    fq_rec_where cur = fq_rec_resolve(d, a, blockIdx.x, items, nsl, K);
+    fq_rec_item_load(d, a, blockIdx.x + G, items, nsl);
+    if (cur.has_state) fq_rec_tile_copy<K, VK>(fq_rec_smem, a.state + cur.head, V, cur.c0, t);
     fq_cp_async_commit();
+    fq_rec_tok<K, ES> tok = {};
+    if (cur.len > 0) fq_rec_tok_ld<K, ES, VK>(tok, a, cur.bos, cur.hq, cur.j, cur.c0, t);
+    fq_rec_dup pd;
+    fq_rec_dup_load(pd, a, cur, t);
+    int dup = fq_rec_dup_test(pd, a, cur, t);
 
     int b = 0;
-    for (int it = w0; it < items; it += G, b ^= 1) {
-        /* this item's stage landed (every thread waits for its own copies,
-         * the barrier makes all of them visible), and every warp is done
-         * with the other stage (the item before) */
-        fq_cp_async_wait<0>();
-        __syncthreads();
+#pragma unroll 1
+    for (int it = blockIdx.x; it < items; it += G, b ^= 1) {
         /* the next item: resolved (its index loads were issued an item ago),
-         * its stage issued, its gates and the index loads of the one after */
-        const fq_rec_where nx = fq_rec_resolve(dn, a, ngrp);
-        const int has_next = it + G < items;
-        fq_rec_item_load(dn, a, it + 2 * G, items, ngrp);
-        unsigned char *const nst = fq_rec_smem + (b ^ 1) * sbytes;
-        if (has_next) {
-            if (nx.has_state)
-                fq_rec_tile_copy<K, VK>(nst, a.state + ((int64_t)nx.slot * HV + nx.j) * (K * V), 8 * nw * nx.grp, lw, V,
-                                        tid);
-            fq_rec_tok_copy<K, NPF, ES>(nst, a, nx.bos, min(NPF, nx.len), nx.hq, nx.j, 8 * nw * nx.grp, nw, tid);
-        }
+         * its state tile into the other stage, its duplicate scan's loads,
+         * the index loads of the one after it */
+        const fq_rec_where nx = fq_rec_resolve(d, a, it + G, items, nsl, K);
+        fq_rec_item_load(d, a, it + 2 * G, items, nsl);
+        if (nx.has_state)
+            fq_rec_tile_copy<K, VK>(fq_rec_smem + (b ^ 1) * PC::stage_bytes, a.state + nx.head, V, nx.c0, t);
         fq_cp_async_commit();
-        fq_rec_gates<NPF> gn = gc;
-        if (has_next) fq_rec_gates_load<NPF>(gn, a, nx, 0);
+        fq_rec_dup_load(pd, a, nx, t);
+        /* this item's tile (the thread's own pieces: no block barrier) */
+        fq_cp_async_wait<1>();
+        asm volatile("" ::: "memory");
 
-        /* this item: warp wib's 8 columns of the group */
-        unsigned char *st = fq_rec_smem + b * sbytes;
-        const int c0 = 8 * nw * cur.grp + 8 * wib + 4 * cg;
         if (!cur.has_state || dup) {
             /* padding (slot < 0 or >= P): o rows 0, the pool untouched; a
              * duplicated slot: o rows NaN, nothing written */
-            if (rg == 0 && cur.len > 0) {
-                const float x = dup ? __int_as_float(0x7fc00000) : 0.f;
-                for (int t = 0; t < cur.len; t++) {
-                    const int64_t ob = ((cur.bos + t) * HV + cur.j) * V + c0;
-                    fq_st_f2(a.o, a.dtype, ob, x, x);
-                    fq_st_f2(a.o, a.dtype, ob + 2, x, x);
-                }
-            }
+            const float x = dup ? __int_as_float(0x7fc00000) : 0.f;
+            for (int64_t i = t; i < (int64_t)cur.len * 32; i += 128)
+                fq_st_f(a.o, a.dtype, ((cur.bos + i / 32) * HV + cur.j) * V + cur.c0 + i % 32, x);
+            if (nx.len > 0) fq_rec_tok_ld<K, ES, VK>(tok, a, nx.bos, nx.hq, nx.j, nx.c0, t);
         } else {
-            float S[RK][4];
-            fq_rec_tile_read<K, VK>(S, st, lw, wib, rg, cg);
-            /* NPF = 1 serves T = 1 without cu_seqlens only: len is 1 there */
-            const int len = NPF == 1 ? 1 : cur.len;
-            for (int t0 = 0; t0 < len; t0 += NPF) {
-                if (NPF > 1 && t0 > 0) {
-                    /* tokens past the first group (T > NPF): copied into this
-                     * stage once every warp is done with the group before,
-                     * and waited for here (block-uniform: one item per block) */
-                    __syncthreads();
-                    fq_rec_tok_copy<K, NPF, ES>(st, a, cur.bos + t0, min(NPF, cur.len - t0), cur.hq, cur.j,
-                                                8 * nw * cur.grp, nw, tid);
-                    fq_cp_async_commit();
-                    fq_rec_gates_load<NPF>(gc, a, cur, t0);
-                    fq_cp_async_wait<0>();
-                    __syncthreads();
+            float S[8][K / 16];
+            fq_rec_tile_read<K, VK>(S, fq_rec_smem + b * PC::stage_bytes, t);
+            const int j = cur.j, c0 = cur.c0;
+            const float A_log = a.A_log ? __ldg(a.A_log + j) : 0.f, dtb = a.dt_bias ? __ldg(a.dt_bias + j) : 0.f;
+#pragma unroll 1
+            for (int tk = 0; tk < cur.len; tk++) {
+                /* the next token's inputs (this item's, else the next
+                 * item's first) on their way while this one computes */
+                fq_rec_tok<K, ES> nxt = tok;
+                if (tk + 1 < cur.len) fq_rec_tok_ld<K, ES, VK>(nxt, a, cur.bos + tk + 1, cur.hq, j, c0, t);
+                else if (nx.len > 0) fq_rec_tok_ld<K, ES, VK>(nxt, a, nx.bos, nx.hq, nx.j, nx.c0, t);
+                /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
+                float g = tok.g;
+                if (a.A_log) {
+                    const float xg = g + dtb;
+                    g = -__expf(A_log) * (xg > 20.f ? xg : log1pf(__expf(xg)));
                 }
-#pragma unroll
-                for (int i = 0; i < NPF; i++) {
-                    const int t = t0 + i;
-                    if (t >= len) break;
-                    const unsigned char *tk = st + SG::state_bytes(nw) + i * SG::tok_bytes(nw);
-                    float qv[RK], kv[RK], vv[4];
-#pragma unroll
-                    for (int h = 0; h < RK / 4; h++) {
-                        fq_rec_ld4<ES>(tk + (64 * h + 4 * rg) * ES, a.dtype, qv + 4 * h);
-                        fq_rec_ld4<ES>(tk + SG::qk_bytes + (64 * h + 4 * rg) * ES, a.dtype, kv + 4 * h);
-                    }
-                    fq_rec_ld4<ES>(tk + 2 * SG::qk_bytes + (8 * wib + 4 * cg) * ES, a.dtype, vv);
-                    /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
-                    float g = gc.g[i];
-                    if (a.A_log) {
-                        const float xg = g + gc.dtb;
-                        g = -__expf(gc.A_log) * (xg > 20.f ? xg : log1pf(__expf(xg)));
-                    }
-                    const float bt = a.beta_sigmoid ? 1.f / (1.f + __expf(-gc.b[i])) : gc.b[i];
-
-                    /* partial sums over the lane's rows; then over the 16 row
-                     * groups (lane bits 0..3): every lane gets the totals */
+                const float bt = a.beta_sigmoid ? 1.f / (1.f + __expf(-tok.b)) : tok.b;
+                const float alpha = __expf(g);
+                const int64_t orow = ((cur.bos + tk) * HV + j) * V;
+                /* this token's inputs as float: q, k (kv: K / 16 rows, vk: KE
+                 * elements), v (kv: 4 columns, vk: one row's) */
+                constexpr int NE = VK ? fq_rec_vk_map<K>::KE : K / 16;
+                float tq[NE], tkk[NE], tv[4] = {0.f, 0.f, 0.f, 0.f};
+                fq_rec_unpack<NE, ES>(tok.q, a.dtype, tq);
+                fq_rec_unpack<NE, ES>(tok.k, a.dtype, tkk);
+                if (!VK) fq_rec_unpack<4, ES>(tok.v, a.dtype, tv);
+                else tv[0] = __uint_as_float(tok.v[0]);
+                if (!VK) {
+                    constexpr int RK = K / 16;
+                    /* partial sums over the thread's rows, then over the warp's 4 row
+                     * groups (lanes xor 8, 16), then over the 4 warps */
                     float part[FQ_REC_RED];
 #pragma unroll
                     for (int e = 0; e < FQ_REC_RED; e++) part[e] = 0.f;
 #pragma unroll
-                    for (int r = 0; r < RK; r++) {
+                    for (int i = 0; i < RK; i++) {
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
-                            part[e] += S[r][e] * kv[r];
-                            part[4 + e] += S[r][e] * qv[r];
+                            part[e] += S[e][i] * tkk[i];
+                            part[4 + e] += S[e][i] * tq[i];
                         }
-                        part[8] += kv[r] * qv[r];
-                        part[9] += kv[r] * kv[r];
-                        part[10] += qv[r] * qv[r];
+                        part[8] += tkk[i] * tq[i];
+                        part[9] += tkk[i] * tkk[i];
+                        part[10] += tq[i] * tq[i];
                     }
 #pragma unroll
-                    for (int m = 1; m < 16; m <<= 1)
+                    for (int m = 8; m < 32; m <<= 1)
 #pragma unroll
-                        for (int e = 0; e < FQ_REC_RED; e++) part[e] += __shfl_xor_sync(0xffffffffu, part[e], m);
-
+                        for (int e = 0; e < 11; e++) part[e] += __shfl_xor_sync(0xffffffffu, part[e], m);
+                    float *rb = &red[tk & 1][0][0][0];
+                    if (lane < 8) {
+                        float4 *dst = (float4 *)(rb + (w * 8 + lane) * FQ_REC_RED);
+                        dst[0] = make_float4(part[0], part[1], part[2], part[3]);
+                        dst[1] = make_float4(part[4], part[5], part[6], part[7]);
+                        dst[2] = make_float4(part[8], part[9], part[10], 0.f);
+                    }
+                    __syncthreads(); /* (one per token: red is double-buffered by token parity) */
+                    float tot[FQ_REC_RED];
+#pragma unroll
+                    for (int e = 0; e < FQ_REC_RED; e++) tot[e] = 0.f;
+#pragma unroll
+                    for (int ww = 0; ww < 4; ww++) {
+                        const float4 *s4 = (const float4 *)(rb + (ww * 8 + (t & 7)) * FQ_REC_RED);
+#pragma unroll
+                        for (int h = 0; h < 3; h++) {
+                            const float4 x = s4[h];
+                            tot[4 * h] += x.x; tot[4 * h + 1] += x.y; tot[4 * h + 2] += x.z; tot[4 * h + 3] += x.w;
+                        }
+                    }
                     float rq = 1.f, rk = 1.f;
                     if (a.l2norm) {
-                        rk = rsqrtf(part[9] + 1e-6f);
-                        rq = rsqrtf(part[10] + 1e-6f);
+                        rk = rsqrtf(tot[9] + 1e-6f);
+                        rq = rsqrtf(tot[10] + 1e-6f);
                     }
-                    const float alpha = __expf(g);
-                    const float kq = part[8] * rk * rq;
+                    const float kq = tot[8] * rk * rq;
                     float u[4], ov[4];
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        u[e] = bt * (vv[e] - alpha * rk * part[e]);
-                        ov[e] = a.scale * (alpha * rq * part[4 + e] + u[e] * kq);
+                        u[e] = bt * (tv[e] - alpha * rk * tot[e]);
+                        ov[e] = a.scale * (alpha * rq * tot[4 + e] + u[e] * kq);
                     }
-                    if (rg == 0) {
-                        const int64_t ob = ((cur.bos + t) * HV + cur.j) * V + c0;
-                        fq_st_f2(a.o, a.dtype, ob, ov[0], ov[1]);
-                        fq_st_f2(a.o, a.dtype, ob + 2, ov[2], ov[3]);
+                    if (t < 8) {
+                        fq_st_f2(a.o, a.dtype, orow + c0 + 4 * t, ov[0], ov[1]);
+                        fq_st_f2(a.o, a.dtype, orow + c0 + 4 * t + 2, ov[2], ov[3]);
                     }
 #pragma unroll
-                    for (int r = 0; r < RK; r++) {
-                        const float kn = rk * kv[r];
+                    for (int i = 0; i < RK; i++) {
+                        const float kn = rk * tkk[i];
 #pragma unroll
-                        for (int e = 0; e < 4; e++) S[r][e] = alpha * S[r][e] + kn * u[e];
+                        for (int e = 0; e < 4; e++) S[e][i] = alpha * S[e][i] + kn * u[e];
                     }
-                    if (a.inter) /* the state after token t (speculative verify) */
-                        fq_rec_tile_store<K, VK>(S, a.inter + (((int64_t)cur.n * a.Ti + t) * HV + cur.j) * (K * V), rg, c0, V);
+                } else {
+                    typedef fq_rec_vk_map<K> M;
+                    /* partial sums over the lane's elements: x[i] = S^T k, x[8 + i] =
+                     * S^T q of the warp's row i; then a transposing reduction over the
+                     * 32 lanes (halving the values at each of lane bits 4, 3, 2, 1,
+                     * then adding lane bit 0): lane l ends with the total of value
+                     * l / 2, i.e. S^T k of row (l / 2) for l < 16, S^T q of row
+                     * (l - 16) / 2 above */
+                    float x[16], sc[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        float pk = 0.f, pq = 0.f;
+#pragma unroll
+                        for (int e = 0; e < M::KE; e++) {
+                            pk += S[i][e] * tkk[e];
+                            pq += S[i][e] * tq[e];
+                        }
+                        x[i] = pk;
+                        x[8 + i] = pq;
+                    }
+#pragma unroll
+                    for (int e = 0; e < M::KE; e++) {
+                        sc[0] += tkk[e] * tq[e];
+                        sc[1] += tkk[e] * tkk[e];
+                        sc[2] += tq[e] * tq[e];
+                    }
+                    fq_rec_tred<8>(x, lane);
+                    fq_rec_tred<4>(x, lane);
+                    fq_rec_tred<2>(x, lane);
+                    fq_rec_tred<1>(x, lane);
+                    const float xt = x[0] + __shfl_xor_sync(0xffffffffu, x[0], 1);
+#pragma unroll
+                    for (int m = 1; m < 32; m <<= 1)
+#pragma unroll
+                        for (int e = 0; e < 3; e++) sc[e] += __shfl_xor_sync(0xffffffffu, sc[e], m);
+                    float rq = 1.f, rk = 1.f;
+                    if (a.l2norm) {
+                        rk = rsqrtf(sc[1] + 1e-6f);
+                        rq = rsqrtf(sc[2] + 1e-6f);
+                    }
+                    const float kq = sc[0] * rk * rq;
+                    /* lanes l < 16: u of row l / 2 (its v loaded by this lane); lanes
+                     * 16 + 2 i: o of row i */
+                    const float uown = bt * (tv[0] - alpha * rk * xt);
+                    const float ui = __shfl_sync(0xffffffffu, uown, lane & 15);
+                    if (lane >= 16 && !(lane & 1)) {
+                        const float ov = a.scale * (alpha * rq * xt + ui * kq);
+                        fq_st_f(a.o, a.dtype, orow + c0 + 8 * w + ((lane - 16) >> 1), ov);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const float u = __shfl_sync(0xffffffffu, uown, 2 * i);
+#pragma unroll
+                        for (int e = 0; e < M::KE; e++) S[i][e] = alpha * S[i][e] + rk * tkk[e] * u;
+                    }
                 }
+                if (a.inter) /* the state after token tk (speculative verify) */
+                    fq_rec_tile_st<K, VK>(S, a.inter + (((int64_t)cur.n * a.Ti + tk) * HV + j) * (int64_t)K * V, V,
+                                          c0, t);
+                tok = nxt;
             }
-            if (a.update) fq_rec_tile_store<K, VK>(S, a.state + ((int64_t)cur.slot * HV + cur.j) * (K * V), rg, c0, V);
+            if (a.update) fq_rec_tile_st<K, VK>(S, a.state + cur.head, V, c0, t);
         }
-        dup = has_next ? fq_rec_is_dup(a, nx, lane) : 0;
+        /* the next item's duplicate scan (its loads were issued before this item) */
+        dup = fq_rec_dup_test(pd, a, nx, t);
         cur = nx;
-        gc = gn;
     }
     fq_cp_async_wait<0>();
 }
@@ -563,40 +646,45 @@ static int fq_rec_sm_count(int dev)
     return cache[dev];
 }
 
-/* One kernel: nw warps per block, two stages per block; the grid is at most
- * what is resident at once (each block then walks block items b, b + G,
- * ...), so every block prefetches its next item while it computes one.
- * Resident blocks per SM and the shared-memory opt-in (for the largest
- * stages, nw = 4) are settled once per kernel and device. */
-template <int K, int NPF, int ES, int VK>
-static fq_status fq_rec_launch(const fq_rec_args &a, int64_t cols8, int nw, int dev, int sms, cudaStream_t stream)
+/* One kernel of 128-thread blocks, two stages each; the grid is at most what
+ * is resident at once (block b walks items b, b + G, ..., prefetching the
+ * next while it computes one). Resident blocks per SM and the shared-memory
+ * opt-in are settled once per kernel and device. */
+template <int K, int ES, int VK>
+static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_token, int dev, cudaStream_t stream)
 {
-    typedef fq_rec_stage<K, NPF, ES> SG;
-    void (*kern)(fq_rec_args) = fq_recurrent_kernel<K, NPF, ES, VK>;
-    const size_t smem = (size_t)2 * SG::bytes(nw);
-    static int resident[64][3]; /* [device][nw = 1, 2, 4] blocks per SM, 0: not yet asked */
-    const int slot = nw == 4 ? 2 : nw - 1;
-    int per_sm = dev >= 0 && dev < 64 ? resident[dev][slot] : 0;
+    void (*kern)(fq_rec_args) = fq_recurrent_kernel<K, ES, VK>;
+    const size_t smem = 2 * (size_t)fq_rec_pieces<K, VK>::stage_bytes;
+    static int resident[64]; /* [device] blocks per SM, 0: not yet asked */
+    int per_sm = dev >= 0 && dev < 64 ? resident[dev] : 0;
     if (per_sm <= 0) {
-        FQ_CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           2 * SG::bytes(4)));
-        FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 32 * nw, smem));
+        FQ_CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 128, smem));
         if (per_sm <= 0) per_sm = 1;
-        if (dev >= 0 && dev < 64) resident[dev][slot] = per_sm;
+        if (dev >= 0 && dev < 64) resident[dev] = per_sm;
     }
-    int64_t blocks = cols8 / nw; /* block items: cols8 is a multiple of 8 */
-    if (blocks > (int64_t)per_sm * sms) blocks = (int64_t)per_sm * sms;
-    return fq_launch_k(kern, (unsigned)blocks, 32u * (unsigned)nw, smem, stream, fq_cuda_pdl_enabled(), a);
+    int64_t blocks = (int64_t)per_sm * fq_rec_sm_count(dev);
+    /* Decode on a [K, V] pool with many items per resident block: one item
+     * per block instead (measured on the H100, benchmarks/NOTES.md session
+     * 18: N = 64 x 32 heads 0.110 -> 0.100 ms, N = 256 0.427 -> 0.389; at
+     * N = 16, 4 items per block, and for [V, K] tiles, contiguous 16 KB, the
+     * persistent grid is faster). The likely reason: a [K, V] tile is a
+     * 128-byte piece of every state row, and the V / 32 items of a head read
+     * a row's pieces together only while they start together, as blocks
+     * launched in item order do and persistent blocks, drifting apart over
+     * their items, do not. */
+    if (!a.vk && one_token && items >= 8 * blocks) blocks = items;
+    if (blocks > items) blocks = items;
+    return fq_launch_k(kern, (unsigned)blocks, 128u, smem, stream, fq_cuda_pdl_enabled(), a);
 }
 
-template <int K, int NPF>
-static fq_status fq_rec_launch_dt(const fq_rec_args &a, int64_t items, int nw, int dev, int sms, cudaStream_t stream)
+template <int K>
+static fq_status fq_rec_launch_dt(const fq_rec_args &a, int64_t items, int one, int dev, cudaStream_t stream)
 {
     if (a.dtype == FQ_F32)
-        return a.vk ? fq_rec_launch<K, NPF, 4, 1>(a, items, nw, dev, sms, stream)
-                    : fq_rec_launch<K, NPF, 4, 0>(a, items, nw, dev, sms, stream);
-    return a.vk ? fq_rec_launch<K, NPF, 2, 1>(a, items, nw, dev, sms, stream)
-                : fq_rec_launch<K, NPF, 2, 0>(a, items, nw, dev, sms, stream);
+        return a.vk ? fq_rec_launch<K, 4, 1>(a, items, one, dev, stream)
+                    : fq_rec_launch<K, 4, 0>(a, items, one, dev, stream);
+    return a.vk ? fq_rec_launch<K, 2, 1>(a, items, one, dev, stream) : fq_rec_launch<K, 2, 0>(a, items, one, dev, stream);
 }
 
 static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
@@ -637,28 +725,17 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
                                                       p->intermediate_states ? p->Ti : 0, (int *)p->workspace);
         FQ_CUDA_CHECK_LAUNCH();
     }
-    const int64_t items = p->N * p->HV * (p->V / 8);
+    const int64_t items = p->N * p->HV * (p->V / 32); /* V is 64, 128 or 256 */
     if (items <= 0) return FQ_OK;
     if (items > INT32_MAX / 2 || p->T > INT32_MAX || p->P > INT32_MAX)
-        return fq_fail(FQ_ERR_VALUE, "the CUDA recurrent step takes fewer than 2^30 (sequence, value head, 8 "
+        return fq_fail(FQ_ERR_VALUE, "the CUDA recurrent step takes fewer than 2^30 (sequence, value head, 32 "
                                      "columns) items and fewer than 2^31 tokens and pool slots");
     int dev = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
-    const int sms = fq_rec_sm_count(dev);
-    /* blocks of 4 warps (32 columns: [K, V] rows read 128 bytes at a time)
-     * unless that leaves SMs without a block (N = 1, HV = 32: 256 blocks of
-     * 2 warps); V / 8 is 8, 16 or 32, so items is a multiple of every choice */
-    int nw = 4;
-    while (nw > 1 && items / nw < (int64_t)sms) nw /= 2;
-    /* T = 1 (without cu_seqlens, the decode step): one token per stage;
-     * otherwise groups of 4 */
-    const int one = !p->cu_seqlens && p->T <= 1;
-    if (p->K == 128) return one ? fq_rec_launch_dt<128, 1>(a, items, nw, dev, sms, stream)
-                                : fq_rec_launch_dt<128, 4>(a, items, nw, dev, sms, stream);
-    if (p->K == 256) return one ? fq_rec_launch_dt<256, 1>(a, items, nw, dev, sms, stream) /* issue 7 item 4 */
-                                : fq_rec_launch_dt<256, 4>(a, items, nw, dev, sms, stream);
-    return one ? fq_rec_launch_dt<64, 1>(a, items, nw, dev, sms, stream)
-               : fq_rec_launch_dt<64, 4>(a, items, nw, dev, sms, stream);
+    const int one = !p->cu_seqlens && p->T == 1; /* one token per item: the decode step */
+    if (p->K == 128) return fq_rec_launch_dt<128>(a, items, one, dev, stream);
+    if (p->K == 256) return fq_rec_launch_dt<256>(a, items, one, dev, stream); /* issue 7 item 4 */
+    return fq_rec_launch_dt<64>(a, items, one, dev, stream);
 }
 
 /* CUDA-only rules of the serving options (gate parameters in float32). */

@@ -439,7 +439,7 @@ static void check_errors(void)
  * and the pool with the reference; untouched slots bitwise; padding o = 0.
  * Also compares with the chunked forward on the same tokens. */
 static void check_recurrent(const char *name, int N, int T, int H, int HV, int K, int V, int use_cu,
-                            int l2norm, fq_dtype dt, int idx64)
+                            int l2norm, fq_dtype dt, int idx64, int vk = 0)
 {
     Problem pb = {};
     pb.H = H; pb.HV = HV; pb.K = K; pb.V = V; pb.dt = dt; pb.gdt = FQ_F32;
@@ -479,7 +479,18 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
     fill_params(pb, d0, &p, 1);
     Dev d = upload(pb, 1, 256);
     fill_params(pb, d, &p, 1);
-    float *dpool = (float *)upload_typed(pool, FQ_F32);
+    /* vk: the pool stored [P, HV, V, K] (state_layout "vk"), compared in [K, V] after the download */
+    auto transpose_heads = [&](const std::vector<float> &x, int to_vk) {
+        std::vector<float> y(x.size());
+        for (size_t h = 0; h < x.size() / ((size_t)K * V); h++)
+            for (int kk = 0; kk < K; kk++)
+                for (int vv = 0; vv < V; vv++) {
+                    const size_t a = h * K * V + (size_t)kk * V + vv, b = h * K * V + (size_t)vv * K + kk;
+                    if (to_vk) y[b] = x[a]; else y[a] = x[b];
+                }
+        return y;
+    };
+    float *dpool = (float *)upload_typed(vk ? transpose_heads(pool, 1) : pool, FQ_F32);
     void *didx = NULL;
     if (idx64) {
         CK(cudaMalloc(&didx, N * 8));
@@ -491,6 +502,7 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
     }
     p.h0 = NULL; p.ht = NULL; p.state = dpool; p.P = P;
     p.state_indices = didx; p.state_indices_is_int64 = idx64;
+    p.state_vk = vk;
     size_t no = (size_t)pb.B * pb.T * HV * V;
     CK(cudaMemset(d.o, 0xff, no * fq_dtype_size(dt)));
     fq_status st = fq_cuda_recurrent(&p);
@@ -501,6 +513,7 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
     } else {
         std::vector<float> o = download_typed(d.o, dt, no);
         std::vector<float> pool2 = download_typed(dpool, FQ_F32, pool.size());
+        if (vk) pool2 = transpose_heads(pool2, 0);
         report(name, "o", rel_err(o, oref), 5e-3);
         report(name, "pool", rel_err(pool2, poolref), 5e-3);
         size_t untouched_bad = 0, pad_bad = 0;
@@ -516,7 +529,7 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
         printf("  %-46s unused slots changed %zu, padding o != 0 %zu %s\n", name, untouched_bad, pad_bad,
                ok ? "ok" : "FAIL");
         /* recurrent == chunked on the same tokens (sequences with a slot) */
-        if (!use_cu) {
+        if (!use_cu && !vk) {
             fill_params(pb, d, &p, 1);
             p.workspace_bytes = fq_cuda_chunk_fwd_workspace_bytes(&p);
             void *ws2 = NULL;
@@ -685,7 +698,7 @@ static void time_fwd(int H, int HV, int nseq, int len, int varlen, double fla_ms
 
 /* idx: the pool through state_indices = arange(N) (int32), as bench_gpu.py's decode rows; 0:
  * slot n for sequence n (its no-index rows) */
-static void time_recurrent(int N, int H, int HV, int T, int idx)
+static void time_recurrent(int N, int H, int HV, int T, int idx, int vk = 0)
 {
     Problem pb = {};
     pb.B = N; pb.T = T; pb.H = H; pb.HV = HV; pb.K = 128; pb.V = 128;
@@ -706,9 +719,11 @@ static void time_recurrent(int N, int H, int HV, int T, int idx)
         CK(cudaMemcpy(didx, ar.data(), sizeof(int) * N, cudaMemcpyHostToDevice));
         p.state_indices = didx; p.state_indices_is_int64 = 0;
     }
+    p.state_vk = vk; /* (the timing does not depend on the values: the same pool read as [V, K]) */
     float t = time_it(&p, NULL, 8, run_stage);
     double floor_ms = 2.0 * pool.size() * 4 / 4.27e12 * 1e3;
-    printf("  recurrent N=%d H=%d HV=%d T=%d%s: %.4f ms (floor %.4f ms)\n", N, H, HV, T, idx ? " idx" : "", t, floor_ms);
+    printf("  recurrent N=%d H=%d HV=%d T=%d%s%s: %.4f ms (floor %.4f ms)\n", N, H, HV, T, idx ? " idx" : "",
+           vk ? " vk" : "", t, floor_ms);
     if (didx) cudaFree(didx);
     cudaFree(dpool);
     free_dev(d);
@@ -972,10 +987,11 @@ static const TimedFwd TIMED_FWD[] = {
     {2, 8, 1, 32768, 0, 0.904, 0.394, 1},   {2, 8, 1, 4096, 0, 0.1345, 0.133, 1},
     {8, 32, 1, 32768, 0, 1.885, 1.235, 0},  {16, 48, 1, 32768, 0, 2.711, 1.409, 0},
 };
-struct TimedRec { int N, H, HV, T, in_short, idx; };
+struct TimedRec { int N, H, HV, T, in_short, idx, vk; };
 static const TimedRec TIMED_REC[] = {
-    {1, 16, 32, 1, 1, 0},   {1, 16, 32, 1, 1, 1},  {16, 16, 32, 1, 0, 1}, {64, 16, 32, 1, 1, 0},
-    {64, 16, 32, 1, 1, 1},  {256, 16, 32, 1, 1, 1}, {64, 16, 32, 4, 1, 1}, {256, 2, 8, 1, 0, 1},
+    {1, 16, 32, 1, 1, 0, 0},  {1, 16, 32, 1, 1, 1, 0},   {16, 16, 32, 1, 0, 1, 0}, {64, 16, 32, 1, 1, 0, 0},
+    {64, 16, 32, 1, 1, 1, 0}, {256, 16, 32, 1, 1, 1, 0}, {64, 16, 32, 4, 1, 1, 0}, {256, 2, 8, 1, 0, 1, 0},
+    {1, 16, 32, 1, 0, 1, 1},  {64, 16, 32, 1, 0, 1, 1},
 };
 
 static void run_timings(int short_only)
@@ -990,7 +1006,7 @@ static void run_timings(int short_only)
         time_fwd(16, 32, 8, 1024, 0, NAN, NAN, 256);
     }
     for (const TimedRec &r : TIMED_REC)
-        if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T, r.idx);
+        if (!short_only || r.in_short) time_recurrent(r.N, r.H, r.HV, r.T, r.idx, r.vk);
 }
 
 /* One bf16 problem of B sequences of T tokens (fast inputs, h0 and ht), uploaded
@@ -1010,6 +1026,33 @@ static int run_three_forwards(int H, int HV, int B, int T, fq_gdn_params *p, Dev
     return 1;
 }
 
+/* the recurrent step against the float64 reference (main's full run and `rec`) */
+static void recurrent_checks(void)
+{
+    printf("recurrent step vs float64 reference (o==chunk uses the default variant)\n");
+    check_recurrent("N=6 T=1 H=4 HV=8 K=V=128 idx int32", 6, 1, 4, 8, 128, 128, 0, 0, FQ_BF16, 0);
+    check_recurrent("N=6 T=4 H=4 HV=8 K=V=128 idx int64", 6, 4, 4, 8, 128, 128, 0, 0, FQ_BF16, 1);
+    check_recurrent("N=5 T=3 K=V=64 l2norm GVA 4", 5, 3, 2, 8, 64, 64, 0, 1, FQ_BF16, 0);
+    check_recurrent("N=5 T=2 K=128 V=64 fp32", 5, 2, 2, 4, 128, 64, 0, 0, FQ_F32, 0);
+    check_recurrent("varlen N=7 (lengths 0,2,4,1,3,5,2) fp16", 7, 5, 4, 8, 128, 128, 1, 0, FQ_F16, 0);
+    /* many groups of 4 tokens, each copied into the stage and waited for */
+    check_recurrent("N=3 T=150 H=2 HV=4 K=V=128 bf16", 3, 150, 2, 4, 128, 128, 0, 0, FQ_BF16, 0);
+    check_recurrent("N=2 T=70 K=V=64 fp32 l2norm", 2, 70, 2, 4, 64, 64, 0, 1, FQ_F32, 0);
+    /* K = V = 256 (issue 7 item 4): decode (one token per stage), groups
+     * of 4 over several groups, varlen; o==chunk against the forward */
+    check_recurrent("N=6 T=1 H=2 HV=4 K=V=256 bf16 idx int32", 6, 1, 2, 4, 256, 256, 0, 0, FQ_BF16, 0);
+    check_recurrent("N=3 T=10 H=1 HV=2 K=V=256 fp32 l2norm", 3, 10, 1, 2, 256, 256, 0, 1, FQ_F32, 1);
+    check_recurrent("varlen N=7 K=V=256 fp16", 7, 5, 2, 4, 256, 256, 1, 0, FQ_F16, 0);
+    /* the [V, K] pool (state_layout "vk") at every K and dtype */
+    check_recurrent("vk N=6 T=1 H=4 HV=8 K=V=128 idx int32", 6, 1, 4, 8, 128, 128, 0, 0, FQ_BF16, 0, 1);
+    check_recurrent("vk N=5 T=3 K=V=64 l2norm GVA 4", 5, 3, 2, 8, 64, 64, 0, 1, FQ_BF16, 0, 1);
+    check_recurrent("vk N=5 T=2 K=128 V=64 fp32", 5, 2, 2, 4, 128, 64, 0, 0, FQ_F32, 0, 1);
+    check_recurrent("vk varlen N=7 fp16", 7, 5, 4, 8, 128, 128, 1, 0, FQ_F16, 0, 1);
+    check_recurrent("vk N=3 T=10 H=1 HV=2 K=V=256 fp32 l2norm", 3, 10, 1, 2, 256, 256, 0, 1, FQ_F32, 1, 1);
+    check_recurrent("K=64 V=128 N=4 T=3 bf16", 4, 3, 2, 4, 64, 128, 0, 0, FQ_BF16, 0);
+    check_recurrent("vk K=64 V=128 N=4 T=3 bf16 idx int64", 4, 3, 2, 4, 64, 128, 0, 0, FQ_BF16, 1, 1);
+}
+
 int main(int argc, char **argv)
 {
     int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
@@ -1019,6 +1062,21 @@ int main(int argc, char **argv)
      * plus 16/32 1x32768, 8x4096 and 16/64 16384+16384 (for A/B runs of the dev switches, one process per
      * setting since the library reads them once) */
     int timeonly = argc > 1 && strcmp(argv[1], "time") == 0;
+    /* `rec`: the recurrent step only, its checks and its timed rows (all of
+     * them); `rec check`: the checks only (for the sanitizers) */
+    if (argc > 1 && strcmp(argv[1], "rec") == 0) {
+        check_invalid_cu();
+        recurrent_checks();
+        g_fast_rand = 1;
+        if (argc > 2 && strcmp(argv[2], "check") == 0) {
+            printf("correctness: %d checks, %d failed, worst rel %.3e\n", g_stat.n, g_stat.fail, g_stat.worst);
+            return g_fail || g_stat.fail ? 1 : 0;
+        }
+        printf("timings (CUDA-graph replays, CUDA events, median of 20 after warm-up; ms)\n");
+        for (const TimedRec &r : TIMED_REC) time_recurrent(r.N, r.H, r.HV, r.T, r.idx, r.vk);
+        printf("correctness: %d checks, %d failed, worst rel %.3e\n", g_stat.n, g_stat.fail, g_stat.worst);
+        return g_fail || g_stat.fail ? 1 : 0;
+    }
 #ifdef FQ_FUSED_TIMELINE
     /* `timeline`: per-CTA event clocks of the fused FULL pass (built with
      * -DFQ_FUSED_TIMELINE; gdn_cuda_fwd_fused.cu's FQ_TL events), for a few
@@ -1112,20 +1170,7 @@ int main(int argc, char **argv)
         printf("errors\n");
         check_errors();
         check_invalid_cu();
-        printf("recurrent step vs float64 reference (o==chunk uses the default variant)\n");
-        check_recurrent("N=6 T=1 H=4 HV=8 K=V=128 idx int32", 6, 1, 4, 8, 128, 128, 0, 0, FQ_BF16, 0);
-        check_recurrent("N=6 T=4 H=4 HV=8 K=V=128 idx int64", 6, 4, 4, 8, 128, 128, 0, 0, FQ_BF16, 1);
-        check_recurrent("N=5 T=3 K=V=64 l2norm GVA 4", 5, 3, 2, 8, 64, 64, 0, 1, FQ_BF16, 0);
-        check_recurrent("N=5 T=2 K=128 V=64 fp32", 5, 2, 2, 4, 128, 64, 0, 0, FQ_F32, 0);
-        check_recurrent("varlen N=7 (lengths 0,2,4,1,3,5,2) fp16", 7, 5, 4, 8, 128, 128, 1, 0, FQ_F16, 0);
-        /* many groups of 4 tokens, each copied into the stage and waited for */
-        check_recurrent("N=3 T=150 H=2 HV=4 K=V=128 bf16", 3, 150, 2, 4, 128, 128, 0, 0, FQ_BF16, 0);
-        check_recurrent("N=2 T=70 K=V=64 fp32 l2norm", 2, 70, 2, 4, 64, 64, 0, 1, FQ_F32, 0);
-        /* K = V = 256 (issue 7 item 4): decode (one token per stage), groups
-         * of 4 over several groups, varlen; o==chunk against the forward */
-        check_recurrent("N=6 T=1 H=2 HV=4 K=V=256 bf16 idx int32", 6, 1, 2, 4, 256, 256, 0, 0, FQ_BF16, 0);
-        check_recurrent("N=3 T=10 H=1 HV=2 K=V=256 fp32 l2norm", 3, 10, 1, 2, 256, 256, 0, 1, FQ_F32, 1);
-        check_recurrent("varlen N=7 K=V=256 fp16", 7, 5, 2, 4, 256, 256, 1, 0, FQ_F16, 0);
+        recurrent_checks();
     }
 
     if (!quick) run_timings(0);
