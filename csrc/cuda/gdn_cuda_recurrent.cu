@@ -201,6 +201,31 @@ static __device__ __forceinline__ void fq_rec_tile_read(float (&S)[8][K / 16], c
         }
     }
 }
+/* The same pieces straight into registers (the decode kernel: no stage) */
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_tile_ld(float (&S)[8][K / 16], const float *base, int V, int c0, int t)
+{
+    typedef fq_rec_pieces<K, VK> P;
+#pragma unroll
+    for (int i = 0; i < P::NP; i++) {
+        const float *src = base + fq_rec_piece_at<K, VK>(i, V, c0, t);
+        if (!VK) {
+            const float4 x = *(const float4 *)src;
+            S[0][i] = x.x; S[1][i] = x.y; S[2][i] = x.z; S[3][i] = x.w;
+        } else {
+            typedef fq_rec_vk_map<K> M;
+            const int r = i / M::NH, e0 = M::KL * (i % M::NH);
+            if constexpr (M::KL == 2) {
+                const float2 x = *(const float2 *)src;
+                S[r][e0] = x.x; S[r][e0 + 1] = x.y;
+            } else {
+                const float4 x = *(const float4 *)src;
+                S[r][e0] = x.x; S[r][e0 + 1] = x.y; S[r][e0 + 2] = x.z; S[r][e0 + 3] = x.w;
+            }
+        }
+    }
+}
+
 template <int K, int VK>
 static __device__ __forceinline__ void fq_rec_tile_st(const float (&S)[8][K / 16], float *base, int V, int c0, int t)
 {
@@ -370,6 +395,154 @@ static __device__ __forceinline__ int fq_rec_dup_test(const fq_rec_dup &p, const
     return __syncthreads_or(dup); /* (block-uniform) */
 }
 
+/* One token of an item (the equations at the top): the gates, S^T k and
+ * S^T q over K (kv: the thread's rows, lanes xor 8 and 16, then the 4 warps
+ * through red, a [4][8][FQ_REC_RED] buffer the caller alternates between
+ * tokens; vk: the transposing reduction), o for the item's 32 columns at
+ * orow + c0, and the update of the thread's state elements S. */
+template <int K, int ES, int VK>
+static __device__ __forceinline__ void fq_rec_token(float (&S)[8][K / 16], const fq_rec_tok<K, ES> &tok,
+                                                    const fq_rec_args &a, float *rb, float A_log, float dtb,
+                                                    int64_t orow, int c0, int t)
+{
+    const int lane = t & 31, w = t >> 5;
+    /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
+    float g = tok.g;
+    if (a.A_log) {
+        const float xg = g + dtb;
+        g = -__expf(A_log) * (xg > 20.f ? xg : log1pf(__expf(xg)));
+    }
+    const float bt = a.beta_sigmoid ? 1.f / (1.f + __expf(-tok.b)) : tok.b;
+    const float alpha = __expf(g);
+    /* this token's inputs as float: q, k (kv: K / 16 rows, vk: KE
+     * elements), v (kv: 4 columns, vk: one row's) */
+    constexpr int NE = VK ? fq_rec_vk_map<K>::KE : K / 16;
+    float tq[NE], tkk[NE], tv[4] = {0.f, 0.f, 0.f, 0.f};
+    fq_rec_unpack<NE, ES>(tok.q, a.dtype, tq);
+    fq_rec_unpack<NE, ES>(tok.k, a.dtype, tkk);
+    if (!VK) fq_rec_unpack<4, ES>(tok.v, a.dtype, tv);
+    else tv[0] = __uint_as_float(tok.v[0]);
+    if constexpr (!VK) {
+        constexpr int RK = K / 16;
+        /* partial sums over the thread's rows, then over the warp's 4 row
+         * groups (lanes xor 8, 16), then over the 4 warps */
+        float part[FQ_REC_RED];
+#pragma unroll
+        for (int e = 0; e < FQ_REC_RED; e++) part[e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < RK; i++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                part[e] += S[e][i] * tkk[i];
+                part[4 + e] += S[e][i] * tq[i];
+            }
+            part[8] += tkk[i] * tq[i];
+            part[9] += tkk[i] * tkk[i];
+            part[10] += tq[i] * tq[i];
+        }
+#pragma unroll
+        for (int m = 8; m < 32; m <<= 1)
+#pragma unroll
+            for (int e = 0; e < 11; e++) part[e] += __shfl_xor_sync(0xffffffffu, part[e], m);
+        if (lane < 8) {
+            float4 *dst = (float4 *)(rb + (w * 8 + lane) * FQ_REC_RED);
+            dst[0] = make_float4(part[0], part[1], part[2], part[3]);
+            dst[1] = make_float4(part[4], part[5], part[6], part[7]);
+            dst[2] = make_float4(part[8], part[9], part[10], 0.f);
+        }
+        __syncthreads(); /* (one per token: red is double-buffered by token parity) */
+        float tot[FQ_REC_RED];
+#pragma unroll
+        for (int e = 0; e < FQ_REC_RED; e++) tot[e] = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < 4; ww++) {
+            const float4 *s4 = (const float4 *)(rb + (ww * 8 + (t & 7)) * FQ_REC_RED);
+#pragma unroll
+            for (int h = 0; h < 3; h++) {
+                const float4 x = s4[h];
+                tot[4 * h] += x.x; tot[4 * h + 1] += x.y; tot[4 * h + 2] += x.z; tot[4 * h + 3] += x.w;
+            }
+        }
+        float rq = 1.f, rk = 1.f;
+        if (a.l2norm) {
+            rk = rsqrtf(tot[9] + 1e-6f);
+            rq = rsqrtf(tot[10] + 1e-6f);
+        }
+        const float kq = tot[8] * rk * rq;
+        float u[4], ov[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            u[e] = bt * (tv[e] - alpha * rk * tot[e]);
+            ov[e] = a.scale * (alpha * rq * tot[4 + e] + u[e] * kq);
+        }
+        if (t < 8) {
+            fq_st_f2(a.o, a.dtype, orow + c0 + 4 * t, ov[0], ov[1]);
+            fq_st_f2(a.o, a.dtype, orow + c0 + 4 * t + 2, ov[2], ov[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < RK; i++) {
+            const float kn = rk * tkk[i];
+#pragma unroll
+            for (int e = 0; e < 4; e++) S[e][i] = alpha * S[e][i] + kn * u[e];
+        }
+    } else {
+        typedef fq_rec_vk_map<K> M;
+        /* partial sums over the lane's elements: x[i] = S^T k, x[8 + i] =
+         * S^T q of the warp's row i; then a transposing reduction over the
+         * 32 lanes (halving the values at each of lane bits 4, 3, 2, 1,
+         * then adding lane bit 0): lane l ends with the total of value
+         * l / 2, i.e. S^T k of row (l / 2) for l < 16, S^T q of row
+         * (l - 16) / 2 above */
+        float x[16], sc[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float pk = 0.f, pq = 0.f;
+#pragma unroll
+            for (int e = 0; e < M::KE; e++) {
+                pk += S[i][e] * tkk[e];
+                pq += S[i][e] * tq[e];
+            }
+            x[i] = pk;
+            x[8 + i] = pq;
+        }
+#pragma unroll
+        for (int e = 0; e < M::KE; e++) {
+            sc[0] += tkk[e] * tq[e];
+            sc[1] += tkk[e] * tkk[e];
+            sc[2] += tq[e] * tq[e];
+        }
+        fq_rec_tred<8>(x, lane);
+        fq_rec_tred<4>(x, lane);
+        fq_rec_tred<2>(x, lane);
+        fq_rec_tred<1>(x, lane);
+        const float xt = x[0] + __shfl_xor_sync(0xffffffffu, x[0], 1);
+#pragma unroll
+        for (int m = 1; m < 32; m <<= 1)
+#pragma unroll
+            for (int e = 0; e < 3; e++) sc[e] += __shfl_xor_sync(0xffffffffu, sc[e], m);
+        float rq = 1.f, rk = 1.f;
+        if (a.l2norm) {
+            rk = rsqrtf(sc[1] + 1e-6f);
+            rq = rsqrtf(sc[2] + 1e-6f);
+        }
+        const float kq = sc[0] * rk * rq;
+        /* lanes l < 16: u of row l / 2 (its v loaded by this lane); lanes
+         * 16 + 2 i: o of row i */
+        const float uown = bt * (tv[0] - alpha * rk * xt);
+        const float ui = __shfl_sync(0xffffffffu, uown, lane & 15);
+        if (lane >= 16 && !(lane & 1)) {
+            const float ov = a.scale * (alpha * rq * xt + ui * kq);
+            fq_st_f(a.o, a.dtype, orow + c0 + 8 * w + ((lane - 16) >> 1), ov);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float u = __shfl_sync(0xffffffffu, uown, 2 * i);
+#pragma unroll
+            for (int e = 0; e < M::KE; e++) S[i][e] = alpha * S[i][e] + rk * tkk[e] * u;
+        }
+    }
+}
+
 /* Resident blocks per SM asked of the compiler: 128 threads, the state in
  * registers (K / 2 floats) and the current and next token's inputs (128
  * registers at K = 128, 8-72 bytes of spill, most outside the token loop; 4
@@ -381,7 +554,7 @@ __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_recurrent_kernel(fq
     typedef fq_rec_pieces<K, VK> PC;
     extern __shared__ __align__(16) unsigned char fq_rec_smem[]; /* stage b at b * PC::stage_bytes */
     __shared__ __align__(16) float red[2][4][8][FQ_REC_RED];    /* kv: [token parity][warp][column group][value] */
-    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    const int t = threadIdx.x;
     const int HV = a.HV, V = a.V, nsl = V / 32;
     const int items = (int)a.N * HV * nsl;
     const int G = gridDim.x;
@@ -450,143 +623,8 @@ __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_recurrent_kernel(fq
                 fq_rec_tok<K, ES> nxt = tok;
                 if (tk + 1 < cur.len) fq_rec_tok_ld<K, ES, VK>(nxt, a, cur.bos + tk + 1, cur.hq, j, c0, t);
                 else if (nx.len > 0) fq_rec_tok_ld<K, ES, VK>(nxt, a, nx.bos, nx.hq, nx.j, nx.c0, t);
-                /* fused gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) */
-                float g = tok.g;
-                if (a.A_log) {
-                    const float xg = g + dtb;
-                    g = -__expf(A_log) * (xg > 20.f ? xg : log1pf(__expf(xg)));
-                }
-                const float bt = a.beta_sigmoid ? 1.f / (1.f + __expf(-tok.b)) : tok.b;
-                const float alpha = __expf(g);
-                const int64_t orow = ((cur.bos + tk) * HV + j) * V;
-                /* this token's inputs as float: q, k (kv: K / 16 rows, vk: KE
-                 * elements), v (kv: 4 columns, vk: one row's) */
-                constexpr int NE = VK ? fq_rec_vk_map<K>::KE : K / 16;
-                float tq[NE], tkk[NE], tv[4] = {0.f, 0.f, 0.f, 0.f};
-                fq_rec_unpack<NE, ES>(tok.q, a.dtype, tq);
-                fq_rec_unpack<NE, ES>(tok.k, a.dtype, tkk);
-                if (!VK) fq_rec_unpack<4, ES>(tok.v, a.dtype, tv);
-                else tv[0] = __uint_as_float(tok.v[0]);
-                if (!VK) {
-                    constexpr int RK = K / 16;
-                    /* partial sums over the thread's rows, then over the warp's 4 row
-                     * groups (lanes xor 8, 16), then over the 4 warps */
-                    float part[FQ_REC_RED];
-#pragma unroll
-                    for (int e = 0; e < FQ_REC_RED; e++) part[e] = 0.f;
-#pragma unroll
-                    for (int i = 0; i < RK; i++) {
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            part[e] += S[e][i] * tkk[i];
-                            part[4 + e] += S[e][i] * tq[i];
-                        }
-                        part[8] += tkk[i] * tq[i];
-                        part[9] += tkk[i] * tkk[i];
-                        part[10] += tq[i] * tq[i];
-                    }
-#pragma unroll
-                    for (int m = 8; m < 32; m <<= 1)
-#pragma unroll
-                        for (int e = 0; e < 11; e++) part[e] += __shfl_xor_sync(0xffffffffu, part[e], m);
-                    float *rb = &red[tk & 1][0][0][0];
-                    if (lane < 8) {
-                        float4 *dst = (float4 *)(rb + (w * 8 + lane) * FQ_REC_RED);
-                        dst[0] = make_float4(part[0], part[1], part[2], part[3]);
-                        dst[1] = make_float4(part[4], part[5], part[6], part[7]);
-                        dst[2] = make_float4(part[8], part[9], part[10], 0.f);
-                    }
-                    __syncthreads(); /* (one per token: red is double-buffered by token parity) */
-                    float tot[FQ_REC_RED];
-#pragma unroll
-                    for (int e = 0; e < FQ_REC_RED; e++) tot[e] = 0.f;
-#pragma unroll
-                    for (int ww = 0; ww < 4; ww++) {
-                        const float4 *s4 = (const float4 *)(rb + (ww * 8 + (t & 7)) * FQ_REC_RED);
-#pragma unroll
-                        for (int h = 0; h < 3; h++) {
-                            const float4 x = s4[h];
-                            tot[4 * h] += x.x; tot[4 * h + 1] += x.y; tot[4 * h + 2] += x.z; tot[4 * h + 3] += x.w;
-                        }
-                    }
-                    float rq = 1.f, rk = 1.f;
-                    if (a.l2norm) {
-                        rk = rsqrtf(tot[9] + 1e-6f);
-                        rq = rsqrtf(tot[10] + 1e-6f);
-                    }
-                    const float kq = tot[8] * rk * rq;
-                    float u[4], ov[4];
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        u[e] = bt * (tv[e] - alpha * rk * tot[e]);
-                        ov[e] = a.scale * (alpha * rq * tot[4 + e] + u[e] * kq);
-                    }
-                    if (t < 8) {
-                        fq_st_f2(a.o, a.dtype, orow + c0 + 4 * t, ov[0], ov[1]);
-                        fq_st_f2(a.o, a.dtype, orow + c0 + 4 * t + 2, ov[2], ov[3]);
-                    }
-#pragma unroll
-                    for (int i = 0; i < RK; i++) {
-                        const float kn = rk * tkk[i];
-#pragma unroll
-                        for (int e = 0; e < 4; e++) S[e][i] = alpha * S[e][i] + kn * u[e];
-                    }
-                } else {
-                    typedef fq_rec_vk_map<K> M;
-                    /* partial sums over the lane's elements: x[i] = S^T k, x[8 + i] =
-                     * S^T q of the warp's row i; then a transposing reduction over the
-                     * 32 lanes (halving the values at each of lane bits 4, 3, 2, 1,
-                     * then adding lane bit 0): lane l ends with the total of value
-                     * l / 2, i.e. S^T k of row (l / 2) for l < 16, S^T q of row
-                     * (l - 16) / 2 above */
-                    float x[16], sc[3] = {0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        float pk = 0.f, pq = 0.f;
-#pragma unroll
-                        for (int e = 0; e < M::KE; e++) {
-                            pk += S[i][e] * tkk[e];
-                            pq += S[i][e] * tq[e];
-                        }
-                        x[i] = pk;
-                        x[8 + i] = pq;
-                    }
-#pragma unroll
-                    for (int e = 0; e < M::KE; e++) {
-                        sc[0] += tkk[e] * tq[e];
-                        sc[1] += tkk[e] * tkk[e];
-                        sc[2] += tq[e] * tq[e];
-                    }
-                    fq_rec_tred<8>(x, lane);
-                    fq_rec_tred<4>(x, lane);
-                    fq_rec_tred<2>(x, lane);
-                    fq_rec_tred<1>(x, lane);
-                    const float xt = x[0] + __shfl_xor_sync(0xffffffffu, x[0], 1);
-#pragma unroll
-                    for (int m = 1; m < 32; m <<= 1)
-#pragma unroll
-                        for (int e = 0; e < 3; e++) sc[e] += __shfl_xor_sync(0xffffffffu, sc[e], m);
-                    float rq = 1.f, rk = 1.f;
-                    if (a.l2norm) {
-                        rk = rsqrtf(sc[1] + 1e-6f);
-                        rq = rsqrtf(sc[2] + 1e-6f);
-                    }
-                    const float kq = sc[0] * rk * rq;
-                    /* lanes l < 16: u of row l / 2 (its v loaded by this lane); lanes
-                     * 16 + 2 i: o of row i */
-                    const float uown = bt * (tv[0] - alpha * rk * xt);
-                    const float ui = __shfl_sync(0xffffffffu, uown, lane & 15);
-                    if (lane >= 16 && !(lane & 1)) {
-                        const float ov = a.scale * (alpha * rq * xt + ui * kq);
-                        fq_st_f(a.o, a.dtype, orow + c0 + 8 * w + ((lane - 16) >> 1), ov);
-                    }
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        const float u = __shfl_sync(0xffffffffu, uown, 2 * i);
-#pragma unroll
-                        for (int e = 0; e < M::KE; e++) S[i][e] = alpha * S[i][e] + rk * tkk[e] * u;
-                    }
-                }
+                fq_rec_token<K, ES, VK>(S, tok, a, &red[tk & 1][0][0][0], A_log, dtb, ((cur.bos + tk) * HV + j) * V,
+                                        c0, t);
                 if (a.inter) /* the state after token tk (speculative verify) */
                     fq_rec_tile_st<K, VK>(S, a.inter + (((int64_t)cur.n * a.Ti + tk) * HV + j) * (int64_t)K * V, V,
                                           c0, t);
@@ -599,6 +637,50 @@ __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_recurrent_kernel(fq
         cur = nx;
     }
     fq_cp_async_wait<0>();
+}
+
+/* The decode step (one token per sequence, no cu_seqlens): one block per
+ * item, the tile straight from the pool into registers, no stage, no item
+ * loop — the fewest instructions between a launch and its stores (one
+ * sequence is a matter of latency: ncu on the H100 counted 1360 warp
+ * instructions per warp in the persistent kernel against FLA's 547;
+ * benchmarks/NOTES.md session 18). The launcher takes it where one wave
+ * holds every item, and for [K, V] where there are many items per resident
+ * block. */
+template <int K, int ES, int VK>
+__global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_decode_kernel(fq_rec_args a)
+{
+    __shared__ __align__(16) float red[4][8][FQ_REC_RED]; /* kv: [warp][column group][value] */
+    const int t = threadIdx.x, HV = a.HV, V = a.V, nsl = V / 32, it = blockIdx.x;
+    const int n = it / (nsl * HV), j = (it / nsl) % HV, c0 = 32 * (it % nsl), hq = j / (HV / a.H);
+
+    /* programmatic dependent launch: nothing is read before the kernel
+     * before this one is complete */
+    fq_pdl_wait();
+    fq_pdl_trigger();
+    const int64_t slotraw = a.idx ? fq_ld_index(a.idx, a.idx_is64, n) : n;
+    const int has_state = slotraw >= 0 && slotraw < a.P; /* (P < 2^31) */
+    const int64_t head = ((int64_t)(has_state ? slotraw : 0) * HV + j) * (int64_t)K * V;
+    /* the state, the token (row n: T = 1) and the duplicate scan's loads
+     * in flight together */
+    float S[8][K / 16];
+    if (has_state) fq_rec_tile_ld<K, VK>(S, a.state + head, V, c0, t);
+    fq_rec_tok<K, ES> tok;
+    fq_rec_tok_ld<K, ES, VK>(tok, a, n, hq, j, c0, t);
+    const float A_log = a.A_log ? __ldg(a.A_log + j) : 0.f, dtb = a.dt_bias ? __ldg(a.dt_bias + j) : 0.f;
+    int dup = 0;
+    if (a.idx && has_state)
+        for (int m = t; m < n; m += 128) dup |= fq_ld_index(a.idx, a.idx_is64, m) == slotraw;
+    dup = __syncthreads_or(dup); /* (block-uniform) */
+    const int64_t orow = ((int64_t)n * HV + j) * V;
+    if (!has_state || dup) {
+        /* padding: o row 0, the pool untouched; a duplicated slot: o row NaN, nothing written */
+        if (t < 32) fq_st_f(a.o, a.dtype, orow + c0 + t, dup ? __int_as_float(0x7fc00000) : 0.f);
+        return;
+    }
+    fq_rec_token<K, ES, VK>(S, tok, a, &red[0][0][0], A_log, dtb, orow, c0, t);
+    if (a.inter) fq_rec_tile_st<K, VK>(S, a.inter + ((int64_t)n * a.Ti * HV + j) * (int64_t)K * V, V, c0, t);
+    if (a.update) fq_rec_tile_st<K, VK>(S, a.state + head, V, c0, t);
 }
 
 /* One block: flags[0] = 1 when cu_seqlens does not start at 0, decreases,
@@ -646,35 +728,38 @@ static int fq_rec_sm_count(int dev)
     return cache[dev];
 }
 
-/* One kernel of 128-thread blocks, two stages each; the grid is at most what
- * is resident at once (block b walks items b, b + G, ..., prefetching the
- * next while it computes one). Resident blocks per SM and the shared-memory
- * opt-in are settled once per kernel and device. */
+/* The persistent kernel (128-thread blocks, two stages each; the grid at
+ * most what is resident at once, block b walking items b, b + G, ...,
+ * prefetching the next while it computes one), or the decode kernel (one
+ * block per item). The persistent kernel's resident blocks per SM and its
+ * shared-memory opt-in are settled once per kernel and device. */
 template <int K, int ES, int VK>
 static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_token, int dev, cudaStream_t stream)
 {
     void (*kern)(fq_rec_args) = fq_recurrent_kernel<K, ES, VK>;
     const size_t smem = 2 * (size_t)fq_rec_pieces<K, VK>::stage_bytes;
-    static int resident[64]; /* [device] blocks per SM, 0: not yet asked */
-    int per_sm = dev >= 0 && dev < 64 ? resident[dev] : 0;
+    static int per_sm_of[64]; /* [device] blocks per SM, 0: not yet asked */
+    int per_sm = dev >= 0 && dev < 64 ? per_sm_of[dev] : 0;
     if (per_sm <= 0) {
         FQ_CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 128, smem));
         if (per_sm <= 0) per_sm = 1;
-        if (dev >= 0 && dev < 64) resident[dev] = per_sm;
+        if (dev >= 0 && dev < 64) per_sm_of[dev] = per_sm;
     }
-    int64_t blocks = (int64_t)per_sm * fq_rec_sm_count(dev);
-    /* Decode on a [K, V] pool with many items per resident block: one item
-     * per block instead (measured on the H100, benchmarks/NOTES.md session
-     * 18: N = 64 x 32 heads 0.110 -> 0.100 ms, N = 256 0.427 -> 0.389; at
-     * N = 16, 4 items per block, and for [V, K] tiles, contiguous 16 KB, the
-     * persistent grid is faster). The likely reason: a [K, V] tile is a
-     * 128-byte piece of every state row, and the V / 32 items of a head read
-     * a row's pieces together only while they start together, as blocks
-     * launched in item order do and persistent blocks, drifting apart over
-     * their items, do not. */
-    if (!a.vk && one_token && items >= 8 * blocks) blocks = items;
-    if (blocks > items) blocks = items;
+    const int64_t resident = (int64_t)per_sm * fq_rec_sm_count(dev);
+    /* The decode step by the one-item-per-block kernel where one wave holds
+     * every item (N = 1: latency), and on a [K, V] pool where there are
+     * many items per resident block (measured on the H100, benchmarks/NOTES.md
+     * session 18: N = 64 x 32 heads 0.110 -> 0.100 ms, N = 256 0.427 ->
+     * 0.389; at N = 16, 4 items per block, and for [V, K] tiles, contiguous
+     * 16 KB, the persistent grid is faster). The likely reason: a [K, V]
+     * tile is a 128-byte piece of every state row, and the V / 32 items of a
+     * head read a row's pieces together only while they start together, as
+     * blocks launched in item order do and persistent blocks, drifting apart
+     * over their items, do not. */
+    if (one_token && (items <= resident || (!a.vk && items >= 8 * resident)))
+        return fq_launch_k(fq_decode_kernel<K, ES, VK>, (unsigned)items, 128u, 0, stream, fq_cuda_pdl_enabled(), a);
+    const int64_t blocks = items < resident ? items : resident;
     return fq_launch_k(kern, (unsigned)blocks, 128u, smem, stream, fq_cuda_pdl_enabled(), a);
 }
 
