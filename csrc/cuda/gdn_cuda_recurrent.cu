@@ -124,8 +124,8 @@ static __device__ __forceinline__ void fq_rec_unpack(const uint32_t *w, fq_dtype
  * memcpy's 2.85-2.95).
  *
  * [K, V] (kv): thread t holds columns c0 + 4 (t % 8) .. + 3 of the RK = K / 16
- * consecutive rows RK (t / 8) .. as S[i][e] (row RK (t / 8) + i, column
- * c0 + 4 (t % 8) + e); a warp instruction i covers rows RK (4 w + 0..3) + i,
+ * consecutive rows RK (t / 8) .. as S[e][i] (column c0 + 4 (t % 8) + e, row
+ * RK (t / 8) + i); a warp instruction i covers rows RK (4 w + 0..3) + i,
  * 128 bytes each. S^T k over the rows: the thread's rows, lanes xor 8 and 16
  * (the warp's 4 row groups), then the 4 warps through shared memory.
  *
@@ -135,9 +135,6 @@ static __device__ __forceinline__ void fq_rec_unpack(const uint32_t *w, fq_dtype
  * a warp instruction covers one row's 512 (K = 128) contiguous bytes. S^T k
  * along the row: a transposing reduction over the warp's lanes (no shared
  * memory, no block barrier). */
-template <int K> struct fq_rec_kv_map {
-    static constexpr int RK = K / 16;            /* rows per thread */
-};
 template <int K> struct fq_rec_vk_map {
     static constexpr int KL = (K < 128 ? K : 128) / 32; /* consecutive k per lane and half */
     static constexpr int NH = K > 128 ? K / 128 : 1;    /* halves */
@@ -243,9 +240,10 @@ static __device__ __forceinline__ void fq_rec_tile_st(const float (&S)[8][K / 16
         }
     }
 }
-/* (Both maps keep 8 K / 16 = K / 2 floats per thread in S[8][K / 16]: kv
- * uses S[e][i] for its 4 columns e (rows 4..7 unused), vk S[i][kk] for its
- * 8 rows i and K / 16 = KE elements kk.) */
+/* (Both maps keep the thread's state in float S[8][K / 16]: kv as S[e][i]
+ * for its 4 columns e and K / 16 rows i (S[4..7] unused: K / 4 floats), vk
+ * as S[i][kk] for its 8 rows i and KE elements kk (KE = K / 16 at K >= 128,
+ * 2 at K = 64).) */
 
 /* One token's inputs for the thread, raw: its q and k elements (kv: rows
  * RK (t / 8) ..; vk: the lane's k elements), its v elements (kv: its 4
