@@ -175,52 +175,42 @@ static __device__ __forceinline__ void fq_rec_tile_copy(unsigned char *stage, co
     }
 }
 
+/* Piece i of the thread's state elements from src (a stage or the pool) */
+template <int K, int VK>
+static __device__ __forceinline__ void fq_rec_piece_in(float (&S)[8][K / 16], int i, const float *src)
+{
+    if (!VK) {
+        const float4 x = *(const float4 *)src;
+        S[0][i] = x.x; S[1][i] = x.y; S[2][i] = x.z; S[3][i] = x.w;
+    } else {
+        typedef fq_rec_vk_map<K> M;
+        const int r = i / M::NH, e0 = M::KL * (i % M::NH);
+        if constexpr (M::KL == 2) {
+            const float2 x = *(const float2 *)src;
+            S[r][e0] = x.x; S[r][e0 + 1] = x.y;
+        } else {
+            const float4 x = *(const float4 *)src;
+            S[r][e0] = x.x; S[r][e0 + 1] = x.y; S[r][e0 + 2] = x.z; S[r][e0 + 3] = x.w;
+        }
+    }
+}
+
+/* The thread's pieces from a stage (the persistent kernel) */
 template <int K, int VK>
 static __device__ __forceinline__ void fq_rec_tile_read(float (&S)[8][K / 16], const unsigned char *stage, int t)
 {
     typedef fq_rec_pieces<K, VK> P;
 #pragma unroll
-    for (int i = 0; i < P::NP; i++) {
-        const unsigned char *src = stage + (128 * i + t) * P::PB;
-        if (!VK) {
-            const float4 x = *(const float4 *)src;
-            S[0][i] = x.x; S[1][i] = x.y; S[2][i] = x.z; S[3][i] = x.w;
-        } else {
-            typedef fq_rec_vk_map<K> M;
-            const int r = i / M::NH, e0 = M::KL * (i % M::NH);
-            if constexpr (M::KL == 2) {
-                const float2 x = *(const float2 *)src;
-                S[r][e0] = x.x; S[r][e0 + 1] = x.y;
-            } else {
-                const float4 x = *(const float4 *)src;
-                S[r][e0] = x.x; S[r][e0 + 1] = x.y; S[r][e0 + 2] = x.z; S[r][e0 + 3] = x.w;
-            }
-        }
-    }
+    for (int i = 0; i < P::NP; i++) fq_rec_piece_in<K, VK>(S, i, (const float *)(stage + (128 * i + t) * P::PB));
 }
-/* The same pieces straight into registers (the decode kernel: no stage) */
+
+/* The same pieces straight from the pool into registers (the decode kernel: no stage) */
 template <int K, int VK>
 static __device__ __forceinline__ void fq_rec_tile_ld(float (&S)[8][K / 16], const float *base, int V, int c0, int t)
 {
     typedef fq_rec_pieces<K, VK> P;
 #pragma unroll
-    for (int i = 0; i < P::NP; i++) {
-        const float *src = base + fq_rec_piece_at<K, VK>(i, V, c0, t);
-        if (!VK) {
-            const float4 x = *(const float4 *)src;
-            S[0][i] = x.x; S[1][i] = x.y; S[2][i] = x.z; S[3][i] = x.w;
-        } else {
-            typedef fq_rec_vk_map<K> M;
-            const int r = i / M::NH, e0 = M::KL * (i % M::NH);
-            if constexpr (M::KL == 2) {
-                const float2 x = *(const float2 *)src;
-                S[r][e0] = x.x; S[r][e0 + 1] = x.y;
-            } else {
-                const float4 x = *(const float4 *)src;
-                S[r][e0] = x.x; S[r][e0 + 1] = x.y; S[r][e0 + 2] = x.z; S[r][e0 + 3] = x.w;
-            }
-        }
-    }
+    for (int i = 0; i < P::NP; i++) fq_rec_piece_in<K, VK>(S, i, base + fq_rec_piece_at<K, VK>(i, V, c0, t));
 }
 
 template <int K, int VK>

@@ -26,23 +26,16 @@
  * read + write; then N = 1 (2 MB) as 100 launches in one CUDA graph, with and
  * without programmatic dependent launch, microseconds per launch.
  *
- *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I csrc/include -I csrc/cuda \
+ *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda -I dev/cuda \
  *        dev/cuda/bench_decode_stream.cu -o /tmp/bench_decode_stream -lcuda
  */
+#include "check_common.h"
 #include "gdn_cuda_hopper.cuh"
 
 #include <algorithm>
 #include <stdio.h>
 #include <vector>
 
-#define CK(x)                                                                                                  \
-    do {                                                                                                       \
-        cudaError_t e_ = (x);                                                                                  \
-        if (e_ != cudaSuccess) {                                                                               \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));                        \
-            exit(1);                                                                                           \
-        }                                                                                                      \
-    } while (0)
 
 static __device__ __forceinline__ float4 fx(float4 x, float s)
 {
