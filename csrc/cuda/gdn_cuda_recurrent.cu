@@ -7,17 +7,25 @@
  *     o_t     = scale S_t^T q_t = scale (alpha_t S^T q_t + u_t (k_t . q_t))
  *     S      <- alpha_t S + k_t u_t^T
  *
- * A block of 128 threads takes one item at a time (sequence n, value head
- * j, 32 state columns): its state tile (K x 32 fp32) is read once and
- * written back once, every warp instruction covering whole 128-byte lines
- * (the lane maps below; decode is bound by how well the pool streams
- * through DRAM). The grid is what is resident at once (4 blocks per SM) and
- * block b walks items b, b + G, ...: while it computes one, the next one's
- * tile is on its way into its other shared-memory stage (cp.async, each
- * thread its own pieces, so no block barrier guards a stage), and the
- * index loads of the one after that are in flight. Decode on a [K, V] pool
- * with many items per block launches one block per item instead (the
- * launcher says why). Per token:
+ * Two kernels, one item = (sequence n, value head j, 32 state columns) per
+ * block of 128 threads at a time; the item's state tile (K x 32 fp32) is
+ * read once and written back once, every warp instruction covering whole
+ * 128-byte lines (the lane maps below; decode is bound by how well the pool
+ * streams through DRAM):
+ *
+ *   fq_recurrent_kernel (persistent): the grid is what is resident at once
+ *     (4 blocks per SM) and block b walks items b, b + G, ...: while it
+ *     computes one, the next one's tile is on its way into its other
+ *     shared-memory stage (cp.async, each thread its own pieces, so no block
+ *     barrier guards a stage) and the index loads of the one after that are
+ *     in flight;
+ *   fq_decode_kernel (one token per sequence, no cu_seqlens): one block per
+ *     item, the tile straight from the pool into registers, no item loop —
+ *     where one wave holds every item (one sequence: latency) and on a
+ *     [K, V] pool with many items per resident block (the launcher says
+ *     why).
+ *
+ * Per token (fq_rec_token, both kernels):
  *
  *     partial sums over the thread's elements of S^T k, S^T q (its columns)
  *     and of k.q, |k|^2, |q|^2 (for use_qk_l2norm: q = rq q_raw, k = rk
@@ -25,11 +33,11 @@
  *     shared memory; [V, K]: a transposing reduction over the lanes) ->
  *     u and o for the thread's columns, the update of its elements.
  *
- * The next token's inputs (q, k, v, gates; the next item's first token
- * after an item's last) are loaded while one computes. Launched with
- * programmatic dependent launch: the blocks of a decode step are resident
- * while the step before finishes, and wait for it (griddepcontrol.wait)
- * before their first load.
+ * The persistent kernel loads the next token's inputs (q, k, v, gates; the
+ * next item's first token after an item's last) while one computes. Both
+ * are launched with programmatic dependent launch: the blocks of a decode
+ * step are resident while the step before finishes, and wait for it
+ * (griddepcontrol.wait) before their first load.
  *
  * slot = state_indices[n] (n without indices); slot < 0 or >= P: padding, o
  * rows of the sequence written as 0, the pool untouched; a slot an earlier
