@@ -258,18 +258,21 @@ def test_cuda_recurrent_matches_reference(N, T, Kk, Vv, layout):
 
 @pytest.mark.parametrize("layout", ["kv", "vk"])
 @pytest.mark.parametrize("T", [1, 4])
-def test_cuda_recurrent_many_items_per_block(layout, T):
+@pytest.mark.parametrize("N", [20, 80])
+def test_cuda_recurrent_many_items_per_block(layout, T, N):
     """Enough items that every resident block of the persistent kernel takes
-    several, each prefetched while the one before is computed: 80 sequences x
+    several, each prefetched while the one before is computed: N sequences x
     32 value heads x 4 blocks of 32 columns, a shuffled pool with repeated
-    padding (-1), the verify path at T = 4."""
-    N, Hh, HVv = 80, 16, 32
+    padding (-1), the verify path at T = 4. At T = 1 on a [K, V] pool, 80
+    sequences (10240 items, over 8 per resident block on an H100 / H200) take
+    the one-item-per-block decode kernel, 20 (2560) the persistent kernel."""
+    Hh, HVv = 16, 32
     inp, (q, k, v) = _rec_inputs(N, T, Hh, HVv, K, V, seed=500 + T, dtype=torch.bfloat16)
     g, beta = _t(inp["g"]), _t(inp["beta"])
     P = N + 7
     pool_kv = torch.randn(P, HVv, K, V, device=DEV) * 0.5
     pool = pool_kv.clone() if layout == "kv" else _vk(pool_kv)
-    perm = torch.randperm(P, generator=torch.Generator().manual_seed(T))[:N].to(torch.int32)
+    perm = torch.randperm(P, generator=torch.Generator().manual_seed(T + N))[:N].to(torch.int32)
     perm[::9] = -1
     f = [to_f64(x) for x in (q, k, v, g, beta)]
     ro, rpool = R.recurrent(*f, to_f64(pool_kv), state_indices=perm.numpy())
