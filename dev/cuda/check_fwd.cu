@@ -438,8 +438,11 @@ static void check_errors(void)
 /* recurrent step: pool [P, HV, K, V], indices with -1 (padding); compares o
  * and the pool with the reference; untouched slots bitwise; padding o = 0.
  * Also compares with the chunked forward on the same tokens. */
+/* dup: the last sequence (with tokens) also names sequence 0's slot (a duplicate state index: its
+ * o rows NaN, nothing written, the slot sequence 0's; the reference treats it as padding, then its
+ * o rows are checked to be NaN) */
 static void check_recurrent(const char *name, int N, int T, int H, int HV, int K, int V, int use_cu,
-                            int l2norm, fq_dtype dt, int idx64, int vk = 0)
+                            int l2norm, fq_dtype dt, int idx64, int vk = 0, int dup = 0)
 {
     Problem pb = {};
     pb.H = H; pb.HV = HV; pb.K = K; pb.V = V; pb.dt = dt; pb.gdt = FQ_F32;
@@ -456,6 +459,10 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
     int P = N + 3;
     std::vector<int64_t> idx(N);
     for (int n = 0; n < N; n++) idx[n] = (n % 3 == 1) ? -1 : (P - 1 - n); /* reversed, some padding */
+    std::vector<int64_t> idx_dev(idx);
+    int ndup = dup && N >= 3 ? N - 1 : -1;
+    while (ndup > 1 && use_cu && pb.cu[ndup + 1] == pb.cu[ndup]) ndup--; /* (one with tokens) */
+    if (ndup >= 0) { idx[ndup] = -1; idx_dev[ndup] = idx_dev[0]; }
     size_t SS = (size_t)HV * K * V;
     std::vector<float> pool((size_t)P * SS);
     for (auto &x : pool) x = (float)(0.5 * randn());
@@ -494,9 +501,9 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
     void *didx = NULL;
     if (idx64) {
         CK(cudaMalloc(&didx, N * 8));
-        CK(cudaMemcpy(didx, idx.data(), N * 8, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(didx, idx_dev.data(), N * 8, cudaMemcpyHostToDevice));
     } else {
-        std::vector<int32_t> i32(idx.begin(), idx.end());
+        std::vector<int32_t> i32(idx_dev.begin(), idx_dev.end());
         CK(cudaMalloc(&didx, N * 4));
         CK(cudaMemcpy(didx, i32.data(), N * 4, cudaMemcpyHostToDevice));
     }
@@ -514,6 +521,18 @@ static void check_recurrent(const char *name, int N, int T, int H, int HV, int K
         std::vector<float> o = download_typed(d.o, dt, no);
         std::vector<float> pool2 = download_typed(dpool, FQ_F32, pool.size());
         if (vk) pool2 = transpose_heads(pool2, 0);
+        if (ndup >= 0) { /* the duplicate's o rows: NaN, then out of the comparison (its reference rows are 0) */
+            const int64_t bos = use_cu ? pb.cu[ndup] : (int64_t)ndup * pb.T;
+            const int64_t len = use_cu ? pb.cu[ndup + 1] - pb.cu[ndup] : pb.T;
+            size_t notnan = 0;
+            for (int64_t r = bos; r < bos + len; r++)
+                for (size_t c = 0; c < (size_t)HV * V; c++) {
+                    notnan += !isnan(o[r * HV * V + c]);
+                    o[r * HV * V + c] = 0.f;
+                }
+            printf("  %-46s duplicate's o not NaN %zu %s\n", name, notnan, notnan ? "FAIL" : "ok");
+            if (notnan) g_fail = 1;
+        }
         report(name, "o", rel_err(o, oref), 5e-3);
         report(name, "pool", rel_err(pool2, poolref), 5e-3);
         size_t untouched_bad = 0, pad_bad = 0;
@@ -1069,6 +1088,12 @@ static void recurrent_checks(void)
     check_recurrent("vk N=3 T=10 H=1 HV=2 K=V=256 fp32 l2norm", 3, 10, 1, 2, 256, 256, 0, 1, FQ_F32, 1, 1);
     check_recurrent("K=64 V=128 N=4 T=3 bf16", 4, 3, 2, 4, 64, 128, 0, 0, FQ_BF16, 0);
     check_recurrent("vk K=64 V=128 N=4 T=3 bf16 idx int64", 4, 3, 2, 4, 64, 128, 0, 0, FQ_BF16, 1, 1);
+    /* a duplicate slot (the last sequence names sequence 0's): decode (the decode kernel), a group of
+     * tokens (the persistent kernel), [V, K], varlen */
+    check_recurrent("dup N=6 T=1 H=4 HV=8 K=V=128 bf16", 6, 1, 4, 8, 128, 128, 0, 0, FQ_BF16, 0, 0, 1);
+    check_recurrent("dup N=5 T=4 K=V=64 fp32 idx int64", 5, 4, 2, 4, 64, 64, 0, 0, FQ_F32, 1, 0, 1);
+    check_recurrent("dup vk N=6 T=1 fp16 l2norm", 6, 1, 2, 4, 128, 128, 0, 1, FQ_F16, 0, 1, 1);
+    check_recurrent("dup varlen N=7 bf16", 7, 5, 4, 8, 128, 128, 1, 0, FQ_BF16, 0, 0, 1);
 }
 
 int main(int argc, char **argv)
