@@ -11,9 +11,14 @@
 # run: `check_fwd time` of A, B, A, B (drift shows as A vs A), B's quick check against
 # the float64 reference, compute-sanitizer memcheck (tiny) and racecheck (race) of B,
 # the CTA timelines of A and B; a table of the per-row times (total, stage A, main
-# kernel) of both, last. Logs in $OUT. FQ_AB_NO_TL=1 leaves the timelines out, FQ_AB_NO_SAN=1
-# the sanitizers; a third binary check_fwd_c.xz in the folder (built by hand, e.g. B with
-# another -D, or a branch on B's) is timed and quick-checked beside B.
+# kernel) of both, last. Logs in $OUT. FQ_AB_NO_TL=1 leaves the timelines out (at build: does
+# not build them), FQ_AB_NO_SAN=1 the sanitizers; a third binary check_fwd_c.xz in the folder
+# (built by hand, e.g. B with another -D, or a branch on B's) is timed and checked beside B.
+# FQ_AB_REC=1: the recurrent step only (a kernel change there): `check_fwd rec` (its checks
+# against the float64 reference and every timed recurrent row) instead of `time` and `quick`,
+# the sanitizers on `rec check`, no timelines, the table of the recurrent rows last, e.g.
+#   here:    FQ_AB_BIN=.devbin_dec FQ_AB_NO_TL=1 bash dev/cuda/run_ab.sh build /work/wt/<branch>
+#   device:  FQ_AB_BIN=.devbin_dec FQ_AB_REC=1 bash dev/cuda/run_ab.sh run   (carry [".devbin_dec"])
 set -u
 MODE=${1:-run}
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -26,6 +31,7 @@ if [ "$MODE" = build ]; then
     for side in a b; do
         tree=$PWD; [ $side = b ] && tree=$OTHER
         for tl in "" _tl; do
+            [ -n "$tl" ] && [ -n "${FQ_AB_NO_TL:-}" ] && continue
             flags=""; [ -n "$tl" ] && flags="-DFQ_FUSED_TIMELINE"
             [ $side = b ] && flags="$flags $BFLAGS"
             rm -f /tmp/fqbuild/*.o /tmp/fqbuild/check_fwd
@@ -39,45 +45,52 @@ if [ "$MODE" = build ]; then
     ls -la "$BIN"
     exit 0
 fi
+. dev/cuda/devrun_lib.sh # (after the cd to the repository root)
 # unpacked outside the repository (so that .devbin keeps only the compressed copies)
-RUNBIN=/tmp/fq_ab_bin; mkdir -p $RUNBIN
-for f in "$BIN"/check_fwd_*.xz; do xz -dc "$f" > $RUNBIN/$(basename "$f" .xz) && chmod +x $RUNBIN/$(basename "$f" .xz); done
+RUNBIN=/tmp/fq_ab_bin
+fq_unpack_bins "$BIN" $RUNBIN
 BIN=$RUNBIN
+REC=${FQ_AB_REC:-}
+TIMED=time; CHECK=quick; SAN_MEM=tiny; SAN_RACE=race
+[ -n "$REC" ] && TIMED=rec CHECK=rec SAN_MEM="rec check" SAN_RACE="rec check"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 SIDES="a b"; [ -x "$BIN/check_fwd_c" ] && SIDES="a b c"
 for k in 1 2; do
     for side in $SIDES; do
-        timeout 120 "$BIN/check_fwd_$side" time > "$OUTDIR/time_${side}$k.log" 2>&1 || echo "time $side$k: exit $?"
+        timeout 120 "$BIN/check_fwd_$side" $TIMED > "$OUTDIR/time_${side}$k.log" 2>&1 || echo "$TIMED $side$k: exit $?"
     done
 done
-for side in ${SIDES#a }; do # (B's, and C's when there is one)
+for side in ${SIDES#a }; do # (B's, and C's when there is one; `rec`: its first timed run holds the checks)
     S=$(echo "$side" | tr a-z A-Z)
-    echo "=== $S quick"
-    timeout 150 "$BIN/check_fwd_$side" quick > "$OUTDIR/quick_$side.log" 2>&1; rc=$?
-    grep -E "FAIL" "$OUTDIR/quick_$side.log" | head -20
-    echo "(exit $rc; $(grep -c ' ok$' "$OUTDIR/quick_$side.log") ok, $(grep -c FAIL "$OUTDIR/quick_$side.log") FAIL lines)"
-    grep -E "correctness:" "$OUTDIR/quick_$side.log"
+    echo "=== $S $CHECK"
+    log="$OUTDIR/quick_$side.log"
+    if [ -n "$REC" ]; then log="$OUTDIR/time_${side}1.log"; else
+        timeout 150 "$BIN/check_fwd_$side" quick > "$log" 2>&1; echo "(exit $?)"
+    fi
+    grep -E "FAIL" "$log" | head -20
+    echo "($(grep -c ' ok$' "$log") ok, $(grep -c FAIL "$log") FAIL lines)"
+    grep -E "correctness:" "$log"
 done
 if [ -z "${FQ_AB_NO_SAN:-}" ]; then # (FQ_AB_NO_SAN=1: no sanitizer runs, when the device time is short)
-echo "=== B memcheck (tiny) and racecheck (race), in parallel"
-( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$BIN/check_fwd_b" tiny > "$OUTDIR/memcheck_b.log" 2>&1 ) &
-j1=$!
-( timeout 120 compute-sanitizer --tool racecheck --print-limit 20 "$BIN/check_fwd_b" race > "$OUTDIR/racecheck_b.log" 2>&1 ) &
-j2=$!
-wait $j1 $j2
-echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' "$OUTDIR/memcheck_b.log" | tail -3 | tr '\n' ' ')"
-echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' "$OUTDIR/racecheck_b.log" | tail -3 | tr '\n' ' ')"
+    echo "=== B memcheck ($SAN_MEM) and racecheck ($SAN_RACE), in parallel"
+    fq_sanitize_pair "$OUTDIR/b" 150 "$BIN/check_fwd_b" "$SAN_MEM" "$SAN_RACE"
 fi
 for side in a b; do
-    [ -n "${FQ_AB_NO_TL:-}" ] && break # (FQ_AB_NO_TL=1: no timelines, when the call has other work)
+    # (FQ_AB_NO_TL=1: no timelines, when the call has other work; none with FQ_AB_REC)
+    [ -n "${FQ_AB_NO_TL:-}$REC" ] && break
     echo "=== timeline $side"
     timeout 60 "$BIN/check_fwd_tl_$side" timeline 2>&1 | grep -E "timeline|seg|S0|chk0|loop|life" > "$OUTDIR/timeline_$side.log"
     cat "$OUTDIR/timeline_$side.log"
 done
-echo "=== the recurrent step (ms), each run"
-for n in a1 b1 c1 a2 b2 c2; do
-    [ -f "$OUTDIR/time_$n.log" ] && grep -h "recurrent N=" "$OUTDIR/time_$n.log" | sed "s/^ */$n /"
+COLS=""; for k in 1 2; do for side in $SIDES; do COLS="$COLS $side$k"; done; done
+echo "=== the recurrent step (ms; N = 1 rows per step of 100 in a graph):$COLS"
+grep -h "recurrent N=" "$OUTDIR/time_a1.log" | while read -r line; do
+    key=$(echo "$line" | sed 's/:.*//')
+    vals=""
+    for n in $COLS; do vals="$vals $(grep -F "$key:" "$OUTDIR/time_$n.log" | sed 's/.*: \([0-9.]*\) ms.*/\1/')"; done
+    printf "%-48s %s | floor %s\n" "$key" "$vals" "$(echo "$line" | sed 's/.*floor \([0-9.]*\) ms.*/\1/')"
 done
+[ -n "$REC" ] && exit 0 # (no forward rows)
 echo "=== per row (ms): total / stage A (inverse) / main kernel, each run"
 python3 - "$OUTDIR" <<'PY'
 import os, sys

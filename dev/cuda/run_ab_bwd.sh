@@ -37,8 +37,9 @@ if [ "$MODE" = build ]; then
     ls -la "$BIN"
     exit 0
 fi
-RUNBIN=/tmp/fq_ab_bwd_bin; mkdir -p $RUNBIN
-for f in "$BIN"/check_bwd_*.xz; do xz -dc "$f" > $RUNBIN/$(basename "$f" .xz) && chmod +x $RUNBIN/$(basename "$f" .xz); done
+. dev/cuda/devrun_lib.sh # (after the cd to the repository root)
+RUNBIN=/tmp/fq_ab_bwd_bin
+fq_unpack_bins "$BIN" $RUNBIN
 BIN=$RUNBIN
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 T0=$(date +%s)
@@ -56,15 +57,9 @@ for x in $(ls $BIN | grep -E '^check_bwd_[c-z]$'); do # (extra variants, built b
 done
 echo "--- B small, FLASHQLA_CUDA_BWD_SM90=0 (the mma.sync kernels and bwd_state, as off sm_90a)"
 FLASHQLA_CUDA_BWD_SM90=0 OMP_NUM_THREADS=$(nproc) timeout 60 $BIN/check_bwd_b small 2>&1 | tail -8
-if [ -z "${FQ_AB_NO_SAN:-}" ] && command -v compute-sanitizer >/dev/null; then
+if [ -z "${FQ_AB_NO_SAN:-}" ]; then
     echo "=== B memcheck and racecheck, small (in parallel)"
-    ( timeout 90 compute-sanitizer --tool memcheck --print-limit 10 $BIN/check_bwd_b small > $OUTDIR/memcheck_b.log 2>&1 ) &
-    j1=$!
-    ( timeout 90 compute-sanitizer --tool racecheck --print-limit 10 $BIN/check_bwd_b small > $OUTDIR/racecheck_b.log 2>&1 ) &
-    j2=$!
-    wait $j1 $j2
-    echo "memcheck:  $(grep -E 'FAIL|ALL OK|ERROR SUMMARY' $OUTDIR/memcheck_b.log | tail -3 | tr '\n' ' ')"
-    echo "racecheck: $(grep -E 'FAIL|ALL OK|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck_b.log | tail -3 | tr '\n' ' ')"
+    fq_sanitize_pair "$OUTDIR/bwd_b" 90 $BIN/check_bwd_b small small
 fi
 echo "=== per row (ms): total rec loc st wy  (A, B, B again) at $(( $(date +%s) - T0 )) s"
 for f in time_a check_b time_b2 $(cd $OUTDIR && ls time_[c-z].log 2>/dev/null | sed 's/.log$//'); do

@@ -5,7 +5,7 @@
 # compute-sanitizer memcheck (mode tiny: every kernel variant on small
 # problems) and racecheck (mode race: fewer, shorter). The summary table of
 # the full run is printed last. Logs go to $OUT if set (check_fwd.log,
-# jit.log, memcheck.log, racecheck.log). About 3-4 minutes on the H200.
+# jit.log, fwd_memcheck.log, fwd_racecheck.log). About 3-4 minutes on the H200.
 #
 #   bash dev/cuda/run_check_fwd.sh [full|build|ab]
 #     full (default) as above; build: only compile $B/check_fwd;
@@ -23,21 +23,7 @@ set -u
 MODE=${1:-full}
 OUTDIR=${OUT:-/tmp}; mkdir -p "$OUTDIR"
 B=${FQ_BUILD_DIR:-/tmp/fqbuild}; mkdir -p $B
-# compute-sanitizer memcheck (mode tiny) and racecheck (mode race) in parallel,
-# logs memcheck$1.log and racecheck$1.log; print_sanitize shows their verdicts
-sanitize_tiny() {
-  command -v compute-sanitizer > /dev/null || return 0
-  ( timeout 110 compute-sanitizer --tool memcheck $B/check_fwd tiny > $OUTDIR/memcheck$1.log 2>&1 ) &
-  local j2=$!
-  ( timeout 110 compute-sanitizer --tool racecheck $B/check_fwd race > $OUTDIR/racecheck$1.log 2>&1 ) &
-  local j3=$!
-  wait $j2 $j3
-}
-print_sanitize() {
-  [ -f $OUTDIR/memcheck$1.log ] && echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck$1.log | tail -3 | tr '\n' ' ')"
-  [ -f $OUTDIR/racecheck$1.log ] && echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck$1.log | tail -3 | tr '\n' ' ')"
-  return 0
-}
+. "$(dirname "$0")/devrun_lib.sh" # (fq_sanitize_pair: memcheck of mode tiny and racecheck of mode race, in parallel)
 if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   IFS=$'\n' read -r -d '' -a CFGS <<< "${FQ_AB_CONFIGS:- }"
   for k in "${!CFGS[@]}"; do
@@ -52,8 +38,7 @@ if [ "$MODE" = ab ] && [ -x $B/check_fwd ]; then
   grep -E "FAIL" $OUTDIR/check_fwd_quick.log | head -20
   echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd_quick.log) checks ok, $(grep -c 'FAIL' $OUTDIR/check_fwd_quick.log) FAIL lines)"
   grep -E "correctness:" $OUTDIR/check_fwd_quick.log
-  sanitize_tiny _fwd
-  print_sanitize _fwd
+  fq_sanitize_pair $OUTDIR/fwd 110 $B/check_fwd tiny race
   exit 0
 fi
 NV="nvcc ${FQ_NVFLAGS:-} -std=c++17 -O3 -lineinfo --use_fast_math -Icsrc -Icsrc/cuda -Idev/cuda -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=compute_80"
@@ -85,10 +70,9 @@ echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd.log) checks ok, $(grep -c 'F
 echo "=== compute_80 PTX (forced JIT, tiny), memcheck (tiny), racecheck (race), in parallel"
 ( CUDA_FORCE_PTX_JIT=1 timeout 110 $B/check_fwd tiny > $OUTDIR/jit.log 2>&1 ) &
 j1=$!
-sanitize_tiny ""
+fq_sanitize_pair $OUTDIR/fwd 110 $B/check_fwd tiny race
 wait $j1
 echo "jit:       $(grep -E 'FAIL|passed' $OUTDIR/jit.log | tail -3 | tr '\n' ' ')"
-print_sanitize ""
 echo "=== summary of the full run"
 sed -n '/==== summary/,$p' $OUTDIR/check_fwd.log
 exit 0

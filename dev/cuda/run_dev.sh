@@ -33,13 +33,8 @@ grep -E "FAIL|stage A|max \|dA" $OUTDIR/check_fwd_quick.log | head -40
 echo "(exit $rc; $(grep -c ' ok$' $OUTDIR/check_fwd_quick.log) ok, $(grep -c 'FAIL' $OUTDIR/check_fwd_quick.log) FAIL lines)"
 grep -E "ladder|cp |batch|correctness:" $OUTDIR/check_fwd_quick.log
 echo "=== memcheck (tiny) and racecheck (race), in parallel"
-( timeout 120 compute-sanitizer --tool memcheck --print-limit 20 $BIN/check_fwd tiny > $OUTDIR/memcheck.log 2>&1 ) &
-j1=$!
-( timeout 120 compute-sanitizer --tool racecheck --print-limit 20 $BIN/check_fwd race > $OUTDIR/racecheck.log 2>&1 ) &
-j2=$!
-wait $j1 $j2
-echo "memcheck:  $(grep -E 'FAIL|passed|ERROR SUMMARY' $OUTDIR/memcheck.log | tail -3 | tr '\n' ' ')"
-echo "racecheck: $(grep -E 'FAIL|passed|RACECHECK SUMMARY|ERROR SUMMARY' $OUTDIR/racecheck.log | tail -3 | tr '\n' ' ')"
+. dev/cuda/devrun_lib.sh # (after the cd to the repository root)
+fq_sanitize_pair "$OUTDIR/fwd" 120 $BIN/check_fwd tiny race
 echo "=== timings (short rows)"
 timeout 240 $BIN/check_fwd time > $OUTDIR/check_fwd_time.log 2>&1; echo "(exit $?)"
 grep -E "^  fwd|recurrent" $OUTDIR/check_fwd_time.log | cut -c1-200
