@@ -727,12 +727,12 @@ static __device__ __forceinline__ int fq_flag_ready(const int *flag)
 /* <<<grid, block, smem, stream>>> with the programmatic-serialization
  * attribute when pdl != 0 (checked launch). */
 template <typename... P, typename... A>
-static fq_status fq_launch_k(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem,
+static fq_status fq_launch_k(void (*kernel)(P...), dim3 grid, unsigned block, size_t smem,
                              cudaStream_t stream, int pdl, A... args)
 {
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof cfg);
-    cfg.gridDim = dim3(grid);
+    cfg.gridDim = grid;
     cfg.blockDim = dim3(block);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;

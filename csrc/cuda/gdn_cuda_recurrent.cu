@@ -77,6 +77,7 @@ struct fq_rec_args {
     void *o;
     int64_t P, T, N;
     int H, HV, V;
+    int lg_nsl; /* log2(V / 32): the decode kernel's grid */
     int l2norm;
     float scale;
 };
@@ -647,8 +648,11 @@ template <int K, int ES, int VK>
 __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_decode_kernel(fq_rec_args a)
 {
     __shared__ __align__(16) float red[4][8][FQ_REC_RED]; /* kv: [warp][column group][value] */
-    const int t = threadIdx.x, HV = a.HV, V = a.V, nsl = V / 32, it = blockIdx.x;
-    const int n = it / (nsl * HV), j = (it / nsl) % HV, c0 = 32 * (it % nsl), hq = j / (HV / a.H);
+    /* the grid: x = (value head j, column slice), slices fastest, y = sequence n (the items in
+     * the persistent kernel's order, without a division on the way to the index load: nsl =
+     * V / 32 is 2, 4 or 8, a.lg_nsl its log2) */
+    const int t = threadIdx.x, HV = a.HV, V = a.V, n = blockIdx.y;
+    const int j = blockIdx.x >> a.lg_nsl, c0 = 32 * (blockIdx.x & ((1 << a.lg_nsl) - 1));
 
     /* programmatic dependent launch: nothing is read before the kernel
      * before this one is complete */
@@ -657,6 +661,7 @@ __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_decode_kernel(fq_re
     const int64_t slotraw = a.idx ? fq_ld_index(a.idx, a.idx_is64, n) : n;
     const int has_state = slotraw >= 0 && slotraw < a.P; /* (P < 2^31) */
     const int64_t head = ((int64_t)(has_state ? slotraw : 0) * HV + j) * (int64_t)K * V;
+    const int hq = j / (HV / a.H); /* (after the index load is issued) */
     /* the state, the token (row n: T = 1) and the duplicate scan's loads
      * in flight together */
     float S[8][K / 16];
@@ -753,8 +758,9 @@ static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_toke
      * head read a row's pieces together only while they start together, as
      * blocks launched in item order do and persistent blocks, drifting apart
      * over their items, do not. */
-    if (one_token && (items <= resident || (!a.vk && items >= 8 * resident)))
-        return fq_launch_k(fq_decode_kernel<K, ES, VK>, (unsigned)items, 128u, 0, stream, fq_cuda_pdl_enabled(), a);
+    if (one_token && a.N <= 65535 && (items <= resident || (!a.vk && items >= 8 * resident)))
+        return fq_launch_k(fq_decode_kernel<K, ES, VK>, dim3((unsigned)(a.HV << a.lg_nsl), (unsigned)a.N), 128u, 0,
+                           stream, fq_cuda_pdl_enabled(), a);
     const int64_t blocks = items < resident ? items : resident;
     return fq_launch_k(kern, (unsigned)blocks, 128u, smem, stream, fq_cuda_pdl_enabled(), a);
 }
@@ -796,6 +802,7 @@ static fq_status fq_recurrent_on_device(const fq_gdn_params *p)
     a.H = (int)p->H;
     a.HV = (int)p->HV;
     a.V = (int)p->V;
+    a.lg_nsl = p->V == 256 ? 3 : (p->V == 128 ? 2 : 1); /* V in {64, 128, 256} */
     a.l2norm = p->use_qk_l2norm;
     a.scale = (float)p->scale;
     if (p->cu_seqlens) {
