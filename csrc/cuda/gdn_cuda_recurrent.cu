@@ -734,6 +734,12 @@ static int fq_rec_sm_count(int dev)
  * prefetching the next while it computes one), or the decode kernel (one
  * block per item). The persistent kernel's resident blocks per SM and its
  * shared-memory opt-in are settled once per kernel and device. */
+/* [K, V] decode by the one-item-per-block kernel from this many items per
+ * resident block on (a compile-time constant, for A/B timing with -D) */
+#ifndef FQ_REC_DECODE_MIN
+#define FQ_REC_DECODE_MIN 8
+#endif
+
 template <int K, int ES, int VK>
 static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_token, int dev, cudaStream_t stream)
 {
@@ -758,7 +764,7 @@ static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_toke
      * head read a row's pieces together only while they start together, as
      * blocks launched in item order do and persistent blocks, drifting apart
      * over their items, do not. */
-    if (one_token && a.N <= 65535 && (items <= resident || (!a.vk && items >= 8 * resident)))
+    if (one_token && a.N <= 65535 && (items <= resident || (!a.vk && items >= FQ_REC_DECODE_MIN * resident)))
         return fq_launch_k(fq_decode_kernel<K, ES, VK>, dim3((unsigned)(a.HV << a.lg_nsl), (unsigned)a.N), 128u, 0,
                            stream, fq_cuda_pdl_enabled(), a);
     const int64_t blocks = items < resident ? items : resident;

@@ -23,7 +23,8 @@
  *   memcpy cudaMemcpyAsync device to device
  *
  * Rows: N = 16, 64, 256 sequences x 32 heads (events, median of 30), TB/s of
- * read + write; then N = 1 (2 MB) as 100 launches in one CUDA graph, with and
+ * read + write; then N = 16 and 64 with pools in turn (32 launches in a graph
+ * over pools that exceed the L2, as a model's layers); then N = 1 (2 MB) as 100 launches in one CUDA graph, with and
  * without programmatic dependent launch, microseconds per launch.
  *
  *   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I csrc -I csrc/cuda -I dev/cuda \
@@ -327,6 +328,43 @@ int main()
         const size_t heads = (size_t)N * 32;
         float ms = timeit([&] { CK(cudaMemcpyAsync(pool2, pool, heads * 65536, cudaMemcpyDeviceToDevice, s)); });
         printf(" | %11.2f %6.3f", ms * 1e3, 2.0 * heads * 65536 / (ms * 1e-3) / 1e12);
+    }
+    /* pools in turn: a graph of 32 launches, launch i on pool i % P of P pools that
+     * together exceed the 50 MB L2 (as consecutive layers' pools), so that every
+     * launch streams from DRAM; programmatic dependent launch as the library's */
+    printf("\n\npools in turn (graph of 32 launches over 8 pools at N = 16, 4 at N = 64), us per launch, TB/s\n");
+    for (const Var &v : vars) {
+        if (v.kind == 2 || v.cap > 0) continue;
+        printf("%-8s", v.name);
+        for (int N : {16, 64}) {
+            const size_t heads = (size_t)N * 32, P = N == 16 ? 8 : 4;
+            cudaGraph_t g;
+            cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            for (int i = 0; i < 32; i++) launch(v, pool + (size_t)(i % P) * heads * 16384, heads, s, i > 0);
+            CK(cudaStreamEndCapture(s, &g));
+            CK(cudaGraphInstantiate(&ge, g, 0));
+            float ms = timeit([&] { CK(cudaGraphLaunch(ge, s)); }) / 32;
+            printf(" | N=%-3d %8.2f %6.3f", N, ms * 1e3, 2.0 * heads * 65536 / (ms * 1e-3) / 1e12);
+            CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+        }
+        printf("\n");
+    }
+    printf("%-8s", "copy");
+    for (int N : {16, 64}) {
+        const size_t heads = (size_t)N * 32, n4 = heads * 65536 / 16, P = N == 16 ? 8 : 4;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < 32; i++) {
+            const size_t o = (size_t)(i % P) * heads * 16384;
+            k_copy<<<4 * g_sms, 512, 0, s>>>((const float4 *)(pool + o), (float4 *)(pool2 + o), n4);
+        }
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        float ms = timeit([&] { CK(cudaGraphLaunch(ge, s)); }) / 32;
+        printf(" | N=%-3d %8.2f %6.3f", N, ms * 1e3, 2.0 * heads * 65536 / (ms * 1e-3) / 1e12);
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
     printf("\n\nN = 1 (32 heads, 2 MB): 100 launches in one graph, us per launch\n");
     for (const Var &v : vars) {
