@@ -263,9 +263,9 @@ def test_cuda_recurrent_many_items_per_block(layout, T, N):
     """Enough items that every resident block of the persistent kernel takes
     several, each prefetched while the one before is computed: N sequences x
     32 value heads x 4 blocks of 32 columns, a shuffled pool with repeated
-    padding (-1), the verify path at T = 4. At T = 1 on a [K, V] pool, 80
-    sequences (10240 items, over 8 per resident block on an H100 / H200) take
-    the one-item-per-block decode kernel, 20 (2560) the persistent kernel."""
+    padding (-1), the verify path at T = 4. At T = 1 a [K, V] pool takes the
+    one-item-per-block decode kernel, a [V, K] pool (2560 and 10240 items, over
+    4 per resident block on an H100 / H200) the persistent kernel."""
     Hh, HVv = 16, 32
     inp, (q, k, v) = _rec_inputs(N, T, Hh, HVv, K, V, seed=500 + T, dtype=torch.bfloat16)
     g, beta = _t(inp["g"]), _t(inp["beta"])

@@ -641,9 +641,8 @@ __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_recurrent_kernel(fq
  * loop — the fewest instructions between a launch and its stores (one
  * sequence is a matter of latency: ncu on the H100 counted 1360 warp
  * instructions per warp in the persistent kernel against FLA's 547;
- * benchmarks/NOTES.md session 18). The launcher takes it where one wave
- * holds every item, and for [K, V] where there are many items per resident
- * block. */
+ * benchmarks/NOTES.md session 18). The launcher takes it for every [K, V]
+ * decode step, and for [V, K] where one wave holds every item. */
 template <int K, int ES, int VK>
 __global__ void __launch_bounds__(128, (K > 128 ? 2 : 4)) fq_decode_kernel(fq_rec_args a)
 {
@@ -734,12 +733,6 @@ static int fq_rec_sm_count(int dev)
  * prefetching the next while it computes one), or the decode kernel (one
  * block per item). The persistent kernel's resident blocks per SM and its
  * shared-memory opt-in are settled once per kernel and device. */
-/* [K, V] decode by the one-item-per-block kernel from this many items per
- * resident block on (a compile-time constant, for A/B timing with -D) */
-#ifndef FQ_REC_DECODE_MIN
-#define FQ_REC_DECODE_MIN 8
-#endif
-
 template <int K, int ES, int VK>
 static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_token, int dev, cudaStream_t stream)
 {
@@ -754,17 +747,19 @@ static fq_status fq_rec_launch(const fq_rec_args &a, int64_t items, int one_toke
         if (dev >= 0 && dev < 64) per_sm_of[dev] = per_sm;
     }
     const int64_t resident = (int64_t)per_sm * fq_rec_sm_count(dev);
-    /* The decode step by the one-item-per-block kernel where one wave holds
-     * every item (N = 1: latency), and on a [K, V] pool where there are
-     * many items per resident block (measured on the H100, benchmarks/NOTES.md
-     * session 18: N = 64 x 32 heads 0.110 -> 0.100 ms, N = 256 0.427 ->
-     * 0.389; at N = 16, 4 items per block, and for [V, K] tiles, contiguous
-     * 16 KB, the persistent grid is faster). The likely reason: a [K, V]
-     * tile is a 128-byte piece of every state row, and the V / 32 items of a
-     * head read a row's pieces together only while they start together, as
-     * blocks launched in item order do and persistent blocks, drifting apart
-     * over their items, do not. */
-    if (one_token && a.N <= 65535 && (items <= resident || (!a.vk && items >= FQ_REC_DECODE_MIN * resident)))
+    /* The decode step by the one-item-per-block kernel on a [K, V] pool, and
+     * on a [V, K] pool where one wave holds every item (N = 1: latency).
+     * Measured on the H100 (benchmarks/NOTES.md sessions 18, 19), one block
+     * per item against the persistent grid: [K, V] N = 64 x 32 heads 0.110
+     * -> 0.100 ms, N = 256 0.427 -> 0.389, N = 16 with pools in turn (as a
+     * model's layers: DRAM) 0.0298 -> 0.0268; for [V, K] tiles, contiguous
+     * 16 KB, the persistent grid is faster at N = 64. The likely reason: a
+     * [K, V] tile is a 128-byte piece of every state row, and the V / 32
+     * items of a head read a row's pieces together only while they start
+     * together, as blocks launched in item order do and persistent blocks,
+     * drifting apart over their items, do not. (Grid y is the sequence:
+     * N <= 65535.) */
+    if (one_token && a.N <= 65535 && (!a.vk || items <= resident))
         return fq_launch_k(fq_decode_kernel<K, ES, VK>, dim3((unsigned)(a.HV << a.lg_nsl), (unsigned)a.N), 128u, 0,
                            stream, fq_cuda_pdl_enabled(), a);
     const int64_t blocks = items < resident ? items : resident;
