@@ -600,6 +600,25 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
     release(d);
 }
 
+/* One backward at (B, T, H, HV), K = V = 128, bf16, after one warm-up: for a
+ * profiler's per-kernel durations (`check_bwd one B T H HV`, e.g. under
+ * ncu --metrics gpu__time_duration.sum -k regex:fq_ --launch-skip <kernels of one
+ * backward>). */
+static void one_case(int B, int T, int H, int HV)
+{
+    Case c = {"one", B, T, H, HV, 128, 128, {}, 0, 1, 1, FQ_BF16, 16};
+    Host h;
+    make_inputs_fast(c, h);
+    fq_gdn_params p;
+    Dev d;
+    setup(c, h, p, d, 1.0 / sqrt(128.0));
+    for (int i = 0; i < 2; i++)
+        if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("one: %s\n", fq_last_error()); nfail++; break; }
+    CK(cudaDeviceSynchronize());
+    printf("one backward %d/%d %dx%d done\n", H, HV, B, T);
+    release(d);
+}
+
 static void print_summary(void)
 {
     printf("\n================================ summary ================================\n");
@@ -620,6 +639,10 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "time")) only_time = 1;
         else if (!strcmp(argv[i], "small")) small = 1;
+        else if (!strcmp(argv[i], "one") && i + 4 < argc) {
+            one_case(atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4]));
+            return nfail ? 1 : 0;
+        }
     }
     if (!only_time) {
         std::vector<Case> cases = {
