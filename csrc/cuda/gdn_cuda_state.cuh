@@ -95,9 +95,9 @@ static __device__ __forceinline__ void fq_pair_add(float P[8][4], const float2 *
 
 /* The combine step of context parallelism (the fused forward's, REV = 0;
  * the backward's reverse state pass, REV = 1): one block of K threads
- * (thread = state row kd) per (segment slot, value head, 16 state columns);
- * only a sequence's segment 0 (REV: its last segment, n - 1) works, walking
- * its segments:
+ * (thread = state row kd) per (segment slot, value head, FQ_CMB_CW = 8 state
+ * columns); only a sequence's segment 0 (REV: its last segment, n - 1) works,
+ * walking its segments:
  *   forward:  S_0 = h0 at the sequence's slot (0 without one, NaN for a
  *             duplicate slot)                          ->  ss[first]
  *             S_{sigma+1} = M_sigma S_sigma + D_sigma  ->  ss[first + sigma + 1]
@@ -105,37 +105,49 @@ static __device__ __forceinline__ void fq_pair_add(float P[8][4], const float2 *
  *             E_{sigma-1} = M_sigma E_sigma + D_sigma  ->  ss[first + sigma - 1]
  *             (dS at a segment's end from dS at the next one's: the reverse
  *             pass's map, gdn_cuda_bwd_state.cu)
- * M_sigma (K x K) is read by column slices of 32 (K x 32 floats, 16 KB at
- * K = 128), each slice by coalesced 128-byte row pieces (a warp: 4 rows)
- * into shared memory (row stride 33: the row-per-thread reads below hit 32
- * banks), the next slice's pieces in registers while the current one is
- * multiplied: one L2 round trip per slice in flight at a time instead of
- * one per 4 columns per thread. md == NULL (the forward only, REV = 0): md
- * and ss are in o's rows (fq_omap) instead of slots si.cp, si.cp + 1, ... */
-template <int K, int REV>
+ * Only the state carries from one step to the next: the maps M_sigma (K x K)
+ * do not depend on it, so the next step's M is on its way into shared memory
+ * (cp.async, NB = 2 buffers of K x (K + 4) floats; NB = 1 where the device's
+ * shared memory per block is too small: then after the step) while a step
+ * multiplies, and a step is its arithmetic: row kd of M_sigma from shared
+ * memory (float4, row stride K + 4: conflict-free), S_sigma's rows broadcast,
+ *   x[c] = D[kd][c] + sum_{m = 0 .. K-1, ascending} M[kd][m] S[m][c]
+ * (the order of the kernel before, which streamed M by slices of 32 columns
+ * behind the state: 8 dependent L2 round trips per step; 141 -> ... us at
+ * 2/4 heads x 32768 tokens on the H100, benchmarks/NOTES.md session 19).
+ * md == NULL (the forward only, REV = 0): md and ss are in o's rows
+ * (fq_omap) instead of slots si.cp, si.cp + 1, ... */
+#define FQ_CMB_CW 8
+template <int K> static __host__ __device__ constexpr int fq_cmb_smem_bytes(int nb)
+{
+    return (nb * K * (K + 4) + K * FQ_CMB_CW) * 4;
+}
+
+template <int K, int REV, int NB>
 __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *segs, const float *md, const float *h0,
                                                           float *ss, int HV, int V, int vk, fq_omap om)
 {
-    constexpr int SL = 32, LDM = SL + 1, NP = K * SL / 4 / K; /* float4 pieces per thread per slice: 8 */
-    __shared__ __align__(16) float S[K][16];
-    __shared__ float Ms[K * LDM];
+    constexpr int CW = FQ_CMB_CW, LDM = K + 4, PPR = K / 4; /* float4 pieces per map row */
+    extern __shared__ __align__(16) float fq_cmb_smem[];
+    float *Ms = fq_cmb_smem;          /* [NB][K][LDM] */
+    float *S = Ms + NB * K * LDM;     /* [K][CW]: the state's columns of this block */
     fq_pdl_trigger();
     fq_pdl_wait();
-    const int nvc = V / 16;
+    const int nvc = V / CW;
     const int vc = blockIdx.x % nvc, j = (blockIdx.x / nvc) % HV, gs = blockIdx.x / (nvc * HV);
     const fq_seg_info si = segs[gs];
     if (si.seq < 0 || si.index != (REV ? si.count - 1 : 0) || si.count < 2) return;
     constexpr int dir = REV ? -1 : 1; /* (the maps walked: si.cp, si.cp + dir, ...) */
-    const int kd = threadIdx.x;
+    const int kd = threadIdx.x, c0 = CW * vc;
     const int64_t hbase = ((int64_t)si.slot * HV + j) * K * V;
     const float fill = si.slot == FQ_SLOT_DUP ? __int_as_float(0x7fc00000) : 0.f;
-    float x[16];
+    float x[CW];
 #pragma unroll
-    for (int c = 0; c < 16; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, 16 * vc + c, K, V, vk)] : fill;
+    for (int c = 0; c < CW; c++) x[c] = h0 && si.slot >= 0 ? h0[hbase + fq_state_at(kd, c0 + c, K, V, vk)] : fill;
     /* md and ss of the sg-th segment walked: by the segments' compact slots si.cp,
      * si.cp + dir, ...; or in o's rows (segment sg from si.bos, si.nchunks chunks
      * each), element (row, col) of a map in its block col / 64 whose first row R
-     * (fq_omap_blk) is found once per slice or row piece */
+     * (fq_omap_blk) is found once per block of 64 columns */
     const int omap = !REV && !md;
     auto mdp = [&](int sg, int64_t R, int row, int col) -> const float * {
         if (omap) return fq_omap_at(om, R, j, row, col & 63);
@@ -144,66 +156,100 @@ __global__ void __launch_bounds__(K) fq_cp_combine_kernel(const fq_seg_info *seg
     auto blk = [&](int sg, int col) -> int64_t {
         return omap ? fq_omap_blk(om, si.bos, si.nchunks, si.count, om.ncb * sg + (col >> 6)) : 0;
     };
-    auto ssp = [&](int sg) -> float * { /* row kd, columns 16 vc .. 16 vc + 15 */
-        if (omap) return fq_omap_ss(om, si.bos + (int64_t)64 * si.nchunks * sg, j, (16 * vc) >> 6, kd, (16 * vc) & 63);
-        return ss + (((int64_t)(si.cp + dir * sg) * HV + j) * K + kd) * V + 16 * vc;
+    auto ssp = [&](int sg) -> float * { /* row kd, columns c0 .. c0 + CW - 1 */
+        if (omap) return fq_omap_ss(om, si.bos + (int64_t)64 * si.nchunks * sg, j, c0 >> 6, kd, c0 & 63);
+        return ss + (((int64_t)(si.cp + dir * sg) * HV + j) * K + kd) * V + c0;
+    };
+    /* M of the sg-th segment walked into dst, by cp.async (16-byte pieces: a
+     * warp copies 512 contiguous bytes of a row at K = 128); no commit */
+    auto issue_map = [&](int sg, float *dst) {
+        const int64_t R0 = blk(sg, 0), R1 = K > 64 ? blk(sg, 64) : R0;
+#pragma unroll 4
+        for (int p = 0; p < K / 4; p++) {
+            const int f = p * K + kd, row = f / PPR, col = 4 * (f % PPR);
+            fq_cp_async16(dst + row * LDM + col, mdp(sg, col < 64 ? R0 : R1, row, col), 16);
+        }
     };
     float *ss0 = ssp(0);
 #pragma unroll
-    for (int c = 0; c < 16; c++) ss0[c] = x[c];
-    /* piece p of a slice: row (p K + kd) / 8, columns 4 ((p K + kd) % 8) .. + 3 of the slice */
-    auto load_slice = [&](float4 (&r)[NP], int sg, int s) {
-        const int64_t R = blk(sg, SL * s); /* (a slice of 32 columns is inside one block of 64) */
-#pragma unroll
-        for (int p = 0; p < NP; p++) {
-            const int f = p * K + kd, row = f >> 3, c4 = f & 7;
-            r[p] = *(const float4 *)mdp(sg, R, row, SL * s + 4 * c4);
-        }
-    };
+    for (int c = 0; c < CW; c++) ss0[c] = x[c];
+    issue_map(0, Ms);
+    fq_cp_async_commit();
     for (int sg = 0; sg + 1 < si.count; sg++) {
-        /* [M | D] of the sg-th segment walked */
-        float4 nx[NP];
-        load_slice(nx, sg, 0);
+        const float *Mc = Ms + (NB == 2 ? (sg & 1) : 0) * K * LDM;
+        if (NB == 2 && sg + 2 < si.count) issue_map(sg + 1, Ms + ((sg + 1) & 1) * K * LDM);
+        fq_cp_async_commit();
+        /* row kd of D (its columns c0 ..) */
+        float d[CW];
+        const int64_t RD = blk(sg, K + c0);
 #pragma unroll
-        for (int c = 0; c < 16; c++) S[kd][c] = x[c];
-        /* row kd of D */
-        const int64_t RD = blk(sg, K + 16 * vc);
-#pragma unroll
-        for (int c = 0; c < 16; c += 4) {
-            const float4 d = *(const float4 *)mdp(sg, RD, kd, K + 16 * vc + c);
-            x[c] = d.x, x[c + 1] = d.y, x[c + 2] = d.z, x[c + 3] = d.w;
+        for (int c = 0; c < CW; c += 4) {
+            const float4 v4 = *(const float4 *)mdp(sg, RD, kd, K + c0 + c);
+            d[c] = v4.x, d[c + 1] = v4.y, d[c + 2] = v4.z, d[c + 3] = v4.w;
         }
-#pragma unroll 1
-        for (int s = 0; s < K / SL; s++) {
-            __syncthreads(); /* S written (s == 0); every thread done with the previous slice */
 #pragma unroll
-            for (int p = 0; p < NP; p++) {
-                const int f = p * K + kd, row = f >> 3, c4 = f & 7;
-                float *dst = Ms + row * LDM + 4 * c4;
-                dst[0] = nx[p].x, dst[1] = nx[p].y, dst[2] = nx[p].z, dst[3] = nx[p].w;
-            }
-            __syncthreads();
-            if (s + 1 < K / SL) load_slice(nx, sg, s + 1);
-            /* x += M[kd][32 s + m] S[32 s + m][:] */
-#pragma unroll 4
-            for (int m = 0; m < SL; m++) {
-                const float a = Ms[kd * LDM + m];
-                const float4 *sr = (const float4 *)&S[SL * s + m][0];
+        for (int c = 0; c < CW; c++) S[kd * CW + c] = x[c];
+        fq_cp_async_wait<1>(); /* this step's map (every group but the newest) */
+        __syncthreads();       /* S and the map visible to every thread */
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float4 b = sr[q];
-                    x[4 * q] += a * b.x, x[4 * q + 1] += a * b.y, x[4 * q + 2] += a * b.z, x[4 * q + 3] += a * b.w;
+        for (int c = 0; c < CW; c++) x[c] = d[c];
+        /* x += M[kd][m] S[m][:], m ascending */
+#pragma unroll 2
+        for (int m = 0; m < K; m += 4) {
+            const float4 a4 = *(const float4 *)(Mc + kd * LDM + m);
+            const float am[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float4 *sr = (const float4 *)(S + (m + q) * CW);
+#pragma unroll
+                for (int h = 0; h < CW / 4; h++) {
+                    const float4 b = sr[h];
+                    x[4 * h] += am[q] * b.x, x[4 * h + 1] += am[q] * b.y, x[4 * h + 2] += am[q] * b.z,
+                        x[4 * h + 3] += am[q] * b.w;
                 }
             }
         }
         float *dst = ssp(sg + 1);
 #pragma unroll
-        for (int c = 0; c < 16; c++) dst[c] = x[c];
-        __syncthreads(); /* every thread done with S and the last slice */
+        for (int c = 0; c < CW; c++) dst[c] = x[c];
+        __syncthreads(); /* every thread done with S and this map before they are rewritten */
+        if (NB == 1 && sg + 2 < si.count) issue_map(sg + 1, Ms);
     }
+    fq_cp_async_wait<0>(); /* nothing in flight at exit */
 }
 
 #ifdef __cplusplus
+template <int K, int REV>
+static fq_status fq_cp_combine_launch_k(const fq_gdn_params *p, const fq_fwd_ws *ws, const float *h0,
+                                        cudaStream_t stream)
+{
+    static int nb_of[64]; /* [device] map buffers (2, or 1 where two do not fit), 0: not yet asked */
+    int dev = 0;
+    FQ_CUDA_CHECK(cudaGetDevice(&dev));
+    int nb = dev >= 0 && dev < 64 ? nb_of[dev] : 0;
+    if (nb == 0) {
+        int optin = 0;
+        FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+        nb = optin >= fq_cmb_smem_bytes<K>(2) ? 2 : 1;
+        fq_status st = fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 2>, fq_cmb_smem_bytes<K>(2));
+        if (nb == 1 || st != FQ_OK) {
+            nb = 1;
+            if ((st = fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 1>, fq_cmb_smem_bytes<K>(1))) != FQ_OK)
+                return st;
+        }
+        if (dev >= 0 && dev < 64) nb_of[dev] = nb;
+    }
+    const unsigned grid = (unsigned)(ws->seg_bound * p->HV * (p->V / FQ_CMB_CW));
+    const int pdl = fq_cuda_pdl_enabled();
+    if (nb == 2)
+        return fq_launch_k(fq_cp_combine_kernel<K, REV, 2>, grid, K, (size_t)fq_cmb_smem_bytes<K>(2), stream, pdl,
+                           (const fq_seg_info *)ws->segs, (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V,
+                           (int)p->state_vk, fq_omap_of(p));
+    return fq_launch_k(fq_cp_combine_kernel<K, REV, 1>, grid, K, (size_t)fq_cmb_smem_bytes<K>(1), stream, pdl,
+                       (const fq_seg_info *)ws->segs, (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V,
+                       (int)p->state_vk, fq_omap_of(p));
+}
+
 /* The combine step over ws's segment slots (ws->segs, md, ss, seg_bound;
  * K = 64 or 128): h0 is the forward's start states (REV = 0) or the
  * backward's dht (REV = 1), in layout p->state_vk. */
@@ -211,16 +257,8 @@ template <int REV>
 static fq_status fq_cp_combine_launch(const fq_gdn_params *p, const fq_fwd_ws *ws, const float *h0,
                                       cudaStream_t stream)
 {
-    const unsigned grid = (unsigned)(ws->seg_bound * p->HV * (p->V / 16));
-    const int pdl = fq_cuda_pdl_enabled();
-    if (p->K == 128)
-        return fq_launch_k(fq_cp_combine_kernel<128, REV>, grid, 128, 0, stream, pdl, (const fq_seg_info *)ws->segs,
-                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk,
-                           fq_omap_of(p));
-    if (p->K == 64)
-        return fq_launch_k(fq_cp_combine_kernel<64, REV>, grid, 64, 0, stream, pdl, (const fq_seg_info *)ws->segs,
-                           (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk,
-                           fq_omap_of(p));
+    if (p->K == 128) return fq_cp_combine_launch_k<128, REV>(p, ws, h0, stream);
+    if (p->K == 64) return fq_cp_combine_launch_k<64, REV>(p, ws, h0, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 #endif
