@@ -113,8 +113,10 @@ static __device__ __forceinline__ void fq_pair_add(float P[8][4], const float2 *
  * memory (float4, row stride K + 4: conflict-free), S_sigma's rows broadcast,
  *   x[c] = D[kd][c] + sum_{m = 0 .. K-1, ascending} M[kd][m] S[m][c]
  * (the order of the kernel before, which streamed M by slices of 32 columns
- * behind the state: 8 dependent L2 round trips per step; 141 -> ... us at
- * 2/4 heads x 32768 tokens on the H100, benchmarks/NOTES.md session 19).
+ * behind the state: 8 dependent L2 round trips per step; 141 -> 81 us for
+ * the forward maps, 72 -> 44 for the reverse ones at 2/4 heads x 32768
+ * tokens on the H100, benchmarks/NOTES.md session 19; D's row is still
+ * loaded at each step's start, the next thing to move ahead with the map).
  * md == NULL (the forward only, REV = 0): md and ss are in o's rows
  * (fq_omap) instead of slots si.cp, si.cp + 1, ... */
 #define FQ_CMB_CW 8
