@@ -5,9 +5,13 @@
  * Everything is recomputed from the inputs. In algorithm order:
  *
  *   0. fq_cuda_fwd_prepare   chunk table, bf16 q/k/v, inverse norms rq, rk
- *   1. fq_cuda_fwd_wy_recompute  gamma, A = (I+L)^-1 (kept for step 5), W, and
- *                            U only for the three-stage state pass below
- *                            (stage A, the persistent kernel)
+ *   1. stage A: gamma, A = (I+L)^-1 (kept for step 5), W (and U for the
+ *      three-stage state pass): fq_cuda_fwd_wy_recompute (the persistent
+ *      kernel) before the three-stage state pass; where the fused kernel runs
+ *      step 2, its own stage A (fq_cuda_fwd_inverse, tensor cores) also writes
+ *      A and flags the items holding a non-finite input, and after step 2
+ *      fq_cuda_fwd_wy_given forms gamma, kdecay and W from that A (A again,
+ *      by the backward's rules, only for the flagged items)
  *   2. chunk-start states h (bf16) and Vn = U - W h: where the fused forward
  *      runs (sm_90a, K and V in {64, 128}), its kernel in mode HST
  *      (fq_cuda_fwd_fused_states: stage A's A'' and gate record, the segment
@@ -180,9 +184,10 @@ static int fq_bwd_cp(const fq_bwd_ws *ws)
 
 /* The whole backward on the current device. ev (NULL in the library): seven
  * events, for dev/cuda/check_bwd.cu: ev[0..4] after steps 2, 3, 4, 5 and 6
- * (ev[3] == ev[4]: step 6 runs inside 3 and 5); ev[5] after step 1 (prepare
- * + stage A v3), ev[6] after the fused stage A of step 2 (== ev[5] with the
- * three-stage state pass). (Events between the launches serialize stage A
+ * (ev[3] == ev[4]: step 6 runs inside 3 and 5); ev[5] after the prepare
+ * (+ stage A v3 before the three-stage state pass), ev[6] after the fused
+ * stage A of step 2 (== ev[5] with the three-stage state pass); ev[0] then
+ * includes fq_cuda_fwd_wy_given. (Events between the launches serialize stage A
  * and the state pass where they would run beside each other.) */
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 {
@@ -197,17 +202,28 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
      * only dvl's, from step 3 on) */
     const int fused_rc = fq_bwd_fused_recompute(p);
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
-    if ((st = fq_cuda_fwd_wy_recompute(p, &ws.f, !fused_rc, stream)) != FQ_OK) return st;
+    if (!fused_rc && (st = fq_cuda_fwd_wy_recompute(p, &ws.f, 1, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
     if (fused_rc) {
         /* the fused forward's chain: its workspace = the chunk table, norms and
-         * bf16 copies of ws.f + its own part in dsl's place (written only by step 3) */
+         * bf16 copies of ws.f + its own part in dsl's place (written only by step 3).
+         * Its stage A (the tensor-core inverse) also writes the backward's A into
+         * ws.a and per item whether a non-finite input is there (into dgam's
+         * place, written only by step 3); after the chain, fq_cuda_fwd_wy_given
+         * forms gamma, kdecay and W from that A, and A itself only for the flagged
+         * items (the backward's rules; one inverse per item instead of two) */
         fq_fwd_ws fz = ws.f;
         fq_cuda_fwd_fused_extras_layout(p, ws.dsl, &fz);
+        fz.abwd = ws.a;
+        fz.aflag = (int *)ws.dgam;
         int beside = 0;
         if ((st = fq_cuda_fwd_stage_a(p, &fz, &beside, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_fused_states(p, &fz, beside, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
+        fq_fwd_ws wg = ws.f;
+        wg.abwd = ws.a;
+        wg.aflag = (int *)ws.dgam;
+        if ((st = fq_cuda_fwd_wy_given(p, &wg, stream)) != FQ_OK) return st;
     } else {
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;

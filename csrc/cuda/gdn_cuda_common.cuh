@@ -501,6 +501,11 @@ typedef struct fq_fwd_ws {
                                 per (chunk, value head) when its A'' and record
                                 are written (read only when stage A runs beside
                                 the state pass: fq_cuda_fwd_beside)          */
+    /* the backward's fused recompute (NULL elsewhere): stage A (fq_cuda_fwd_inverse)
+     * also writes the backward's A and, per (chunk, value head), 1 where the
+     * item holds a non-finite input (fq_cuda_fwd_wy_given then forms its A again) */
+    fq_bf16 *abwd;           /* [nc_max, HV, 64, 64]                           */
+    int *aflag;              /* [nc_max, HV]                                   */
 } fq_fwd_ws;
 
 #ifdef __cplusplus
@@ -591,6 +596,10 @@ fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream
 /* Stage A as the backward's recompute runs it (the persistent kernel; see gdn_cuda_fwd_wy.cu).
  * with_u = 0: ws->u is not written (the fused recompute's chain forms Vn without U). */
 fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream);
+/* The fused recompute's: after its stage A (fq_cuda_fwd_inverse with ws->abwd = ws->a,
+ * ws->aflag set), gamma, kdecay, W of every item with A as stage A wrote it, and A too
+ * where aflag marks a non-finite input (the backward's rules there; gdn_cuda_fwd_wy.cu). */
+fq_status fq_cuda_fwd_wy_given(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* The two stage A kernels (same outputs): the blocked one (A = (I+L)^-1, one
  * block per chunk and value head; fq_cuda_fwd_wy runs it) and the persistent one (
  * double-buffered loads, recursive-doubling inverse; fq_cuda_fwd_wy_recompute

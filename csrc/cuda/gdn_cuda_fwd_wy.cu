@@ -191,6 +191,50 @@ static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float 
     }
 }
 
+/* fq_wy_apply with A in bf16 ([64][lda] in shared memory, zeros above the
+ * diagonal: fq_fwd_wy_persistent_kernel's mode AG, A from the inverse
+ * kernel): the same fragments, A's elements times f before their bf16
+ * rounding as the mma operand (rounded twice here: A itself is bf16). */
+template <int NC>
+static __device__ __forceinline__ void fq_wy_apply_bf16(const fq_bf16 *As, int lda, const float *f, const fq_bf16 *Bs,
+                                                        int ldb, int c0, fq_bf16 *out, int ld)
+{
+    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        float acc[NC / 8][4];
+#pragma unroll
+        for (int n = 0; n < NC / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk <= m; kk++) {
+            const int ca = 16 * kk + 2 * tq;
+            const float2 f0 = *(const float2 *)(f + ca), f8 = *(const float2 *)(f + ca + 8);
+            const fq_bf16 *ar = As + (16 * m + gq) * lda + ca;
+            const float2 p00 = fq_unpack_bf16(*(const uint32_t *)ar), p10 = fq_unpack_bf16(*(const uint32_t *)(ar + 8 * lda));
+            const float2 p01 = fq_unpack_bf16(*(const uint32_t *)(ar + 8)),
+                         p11 = fq_unpack_bf16(*(const uint32_t *)(ar + 8 * lda + 8));
+            uint32_t a[4];
+            a[0] = fq_pack_bf16(p00.x * f0.x, p00.y * f0.y);
+            a[1] = fq_pack_bf16(p10.x * f0.x, p10.y * f0.y);
+            a[2] = fq_pack_bf16(p01.x * f8.x, p01.y * f8.y);
+            a[3] = fq_pack_bf16(p11.x * f8.x, p11.y * f8.y);
+#pragma unroll
+            for (int n2 = 0; n2 < NC / 16; n2++) {
+                uint32_t b[4];
+                fq_frag_b_kn(b, Bs, ldb, 16 * kk, c0 + 16 * n2);
+                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
+                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NC / 8; n++) {
+            int r = 16 * m + gq, c = c0 + 8 * n + 2 * tq;
+            *(uint32_t *)(out + r * ld + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
+            *(uint32_t *)(out + (r + 8) * ld + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
+        }
+    }
+}
+
 /* Rows r < ci.len of chunk ci of one head of a bf16 [rows, nheads, NC] array
  * into a [64][LD] shared tile by cp.async (128 threads; rows past len become
  * zeros: a 0-byte copy from the base); tid = threadIdx.x. No commit. Thread
@@ -416,10 +460,11 @@ static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float
  * blocks of Af were never written), and gamma, kdecay for stage B; with
  * args.poison, gamma_r = NaN for r >= f (causality, the header). */
 static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64_t tile, const float *Af,
-                                                   const float *gam, const float *rkv, int len, int f, int tid)
+                                                   const float *gam, const float *rkv, int len, int f, int tid,
+                                                   bool store_a = true)
 {
     constexpr int LDF = FQ_WY_LDF;
-    if (args.a) {
+    if (args.a && store_a) {
         fq_bf16 *ag = args.a + tile * 64;
         for (int idx = tid; idx < 64 * 8; idx += 128) {
             int r = idx >> 3, c = (idx & 7) * 8;
@@ -690,10 +735,11 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
  * (f = min(fl, fv) below; gamma, kdecay, A and W never depend on fv). Blocks
  * per SM by shared memory: with U 2 (K = V = 128: 105 KB), 1 at K = V = 256
  * (169 KB: four 33 KB tiles); without U 3 (71 KB), 2 at 256 (103 KB). */
-template <int K, int V, bool UO>
+template <int K, int V, bool UO, bool AG>
 __global__ void __launch_bounds__(128, (K > 128 || V > 128) ? (UO ? 1 : 2) : (UO ? 2 : 3))
-fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
+fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
 {
+    static_assert(!(UO && AG), "mode AG is the fused recompute's (no U)");
     typedef fq_wy_persistent_smem<K, V, UO> SM;
     constexpr int LDF = FQ_WY_LDF;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -724,6 +770,9 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
     if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
     if (tid == 0) sf[0] = sf[1] = sf[2] = sf[3] = 64; /* read after the loop-top barrier */
+    /* AG: whether the item's A must be formed here (its flag from the inverse
+     * kernel), read an item ahead; every item does without AG */
+    int full = AG ? (it < items ? aflag[it] : 1) : 1;
 
 #pragma unroll 1
     for (int buf = 0; it < items; it += stride, buf ^= 1) {
@@ -735,6 +784,22 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
         __syncthreads(); /* the previous item is done with Lf, Af, vec and buffer buf ^ 1 */
         int *sfi = sf + 2 * buf;
         if (tid == 0) sf[2 * (buf ^ 1)] = sf[2 * (buf ^ 1) + 1] = 64; /* the next item's slot */
+        /* AG, an item without a non-finite input: its A (bf16, from the inverse
+         * kernel) into Lf's place, a group of its own before the next item's */
+        const int cur_full = full;
+        if (AG && !cur_full && ci.seq >= 0) {
+            const fq_bf16 *asrc = args.a + it * 64 * 64;
+            fq_bf16 *adst = (fq_bf16 *)Lf;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int p = tid + 128 * i, r = p >> 3, c = 8 * (p & 7);
+                fq_cp_async16(adst + r * FQ_WY_LDF + c, asrc + r * 64 + c, 16);
+            }
+        }
+        if (AG) {
+            fq_cp_async_commit();
+            full = nit < items ? aflag[nit] : 1; /* (the next item's, used an item on) */
+        }
         if (cn.seq >= 0)
             fq_wy_issue_loads<K, V, UO>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
@@ -753,7 +818,13 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
         if (UO && ci.seq >= 0) fq_wy_scan_rows<V, SM::LDV>(Vs, tid, sfi + 1); /* this thread's own V pieces */
         __syncthreads();
 
-        if (ci.seq >= 0) { /* block-uniform */
+        if (AG && !cur_full && ci.seq >= 0) { /* block-uniform */
+            /* no non-finite input in the chunk (the inverse kernel's test): fl =
+             * tg = 64, nothing to cut; A given: W = (A diag(fw)) K, gamma, kdecay */
+            const int64_t tile = it * 64;
+            fq_wy_apply_bf16<K / 4>((const fq_bf16 *)Lf, FQ_WY_LDF, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+            fq_wy_store(args, tile, Af, gam, rkv, ci.len, 64, tid, false);
+        } else if (ci.seq >= 0) { /* block-uniform */
             fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq, sfi); /* L (as blocked) */
             __syncthreads();
 
@@ -821,35 +892,40 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items)
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
 
-template <int K, int V, bool UO>
-static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, cudaStream_t stream)
+template <int K, int V, bool UO, bool AG>
+static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, const int *aflag, cudaStream_t stream)
 {
     int bytes = fq_wy_persistent_smem<K, V, UO>::bytes;
     int dev = 0, sms = 0, per_sm = 0, optin = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if (optin < bytes) return fq_launch_wy_blocked<K, V>(args, items, stream); /* small-smem GPUs: the blocked kernel */
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_persistent_kernel<K, V, UO>, bytes);
+    if (optin < bytes) {
+        if (AG) return fq_fail(FQ_ERR_UNSUPPORTED, "the backward's stage A with a given A needs %d bytes of shared memory per block", bytes);
+        return fq_launch_wy_blocked<K, V>(args, items, stream); /* small-smem GPUs: the blocked kernel */
+    }
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_wy_persistent_kernel<K, V, UO, AG>, bytes);
     if (st != FQ_OK) return st;
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy_persistent_kernel<K, V, UO>, 128, bytes));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_wy_persistent_kernel<K, V, UO, AG>, 128, bytes));
     if (per_sm < 1) per_sm = 1;
     int64_t blocks = (int64_t)sms * per_sm;
     if (blocks > items) blocks = items;
     if (blocks < 1) blocks = 1;
-    fq_fwd_wy_persistent_kernel<K, V, UO><<<(unsigned)blocks, 128, bytes, stream>>>(args, items);
+    fq_fwd_wy_persistent_kernel<K, V, UO, AG><<<(unsigned)blocks, 128, bytes, stream>>>(args, items, aflag);
     FQ_CUDA_CHECK_LAUNCH();
     return FQ_OK;
 }
 
-template <bool UO>
-static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, cudaStream_t stream)
+template <bool UO, bool AG>
+static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, const int *aflag,
+                                       cudaStream_t stream)
 {
-    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128, UO>(args, items, stream);
-    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64, UO>(args, items, stream);
-    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128, UO>(args, items, stream);
-    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64, UO>(args, items, stream);
-    if (p->K == 256 && p->V == 256) return fq_launch_wy_persistent<256, 256, UO>(args, items, stream); /* issue 7 item 4 */
+    if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128, UO, AG>(args, items, aflag, stream);
+    if (p->K == 128 && p->V == 64) return fq_launch_wy_persistent<128, 64, UO, AG>(args, items, aflag, stream);
+    if (p->K == 64 && p->V == 128) return fq_launch_wy_persistent<64, 128, UO, AG>(args, items, aflag, stream);
+    if (p->K == 64 && p->V == 64) return fq_launch_wy_persistent<64, 64, UO, AG>(args, items, aflag, stream);
+    if (!AG && p->K == 256 && p->V == 256) /* issue 7 item 4 (the fused recompute, AG, runs only where K, V <= 128) */
+        return fq_launch_wy_persistent<256, 256, UO, false>(args, items, aflag, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 
@@ -858,7 +934,21 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
     int64_t items = ws->nc_max * p->HV;
     if (items <= 0) return FQ_OK;
     const fq_wy_args args = fq_wy_args_of(p, ws);
-    return with_u ? fq_wy_persistent_dims<true>(p, args, items, stream) : fq_wy_persistent_dims<false>(p, args, items, stream);
+    return with_u ? fq_wy_persistent_dims<true, false>(p, args, items, NULL, stream)
+                  : fq_wy_persistent_dims<false, false>(p, args, items, NULL, stream);
+}
+
+/* The backward's fused recompute after its stage A ran with ws->abwd (= ws->a)
+ * and ws->aflag: gamma, kdecay and W of every item, A taken as the inverse
+ * kernel wrote it, except where aflag says the item holds a non-finite input:
+ * there A too, by the backward's rules (the persistent kernel's mode AG). */
+extern "C" fq_status fq_cuda_fwd_wy_given(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
+{
+    int64_t items = ws->nc_max * p->HV;
+    if (items <= 0) return FQ_OK;
+    if (!ws->aflag || ws->abwd != ws->a) return fq_fail(FQ_ERR_VALUE, "internal: stage A's flags and A missing");
+    const fq_wy_args args = fq_wy_args_of(p, ws);
+    return fq_wy_persistent_dims<false, true>(p, args, items, ws->aflag, stream);
 }
 
 /* ------------------------------------------------------------- inverse ----
@@ -1120,11 +1210,12 @@ static __device__ __forceinline__ void fq_inv_sync(void)
  * in shared memory, the 128 threads of one worker.
  * Writes A'' and the record of `item` (and, beside the state pass, sets its
  * ready flag once both are written). */
-template <int K, int G, class Hook>
+template <int K, int G, int BWD, class Hook>
 static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_chunk_info ci, int hq, int64_t item,
                                                    const float4 *kkt, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
                                                    const float *gam, const float *bet, const float *rkv,
-                                                   const float *rqv, int *ready, Hook next_gates)
+                                                   const float *rqv, int *ready, fq_bf16 *abwd, int *aflag,
+                                                   Hook next_gates)
 {
     typedef fq_inv_smem<K> SM;
     /* f = the first bad row (64: none), from the warps' words (written
@@ -1410,6 +1501,21 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
         }
     }
     if (!SIDE && tid < 64) record_row(tid, f);
+    if (BWD) {
+        /* the backward's A (bf16 [64][64], zeros above the diagonal: Ab's
+         * blocks there were never written) for bwd_wy, and whether the item
+         * holds a non-finite input (f < 64: a bad k, g, beta or rk shows in
+         * L, fq_fwd_inverse_kernel's header), where the backward's own rules
+         * differ (g' = finite select): fq_fwd_wy_persistent_kernel then forms
+         * the item's A again (its mode AG) */
+        fq_bf16 *ag = abwd + item * 64 * 64;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int p = tid + 128 * i, r = p >> 3, c = 8 * (p & 7);
+            *(uint4 *)(ag + r * 64 + c) = *(const uint4 *)(Ab + r * SM::LDA + c);
+        }
+        if (tid == 0) aflag[item] = f < 64 || !isfinite(gam[63]);
+    }
     if (G > 1 && ready) { /* beside the state pass: every thread's stores of A'' and the record, then the flag */
         fq_inv_sync<G>();
         if (tid == 0) fq_flag_publish(ready + item);
@@ -1433,8 +1539,9 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
  * record follows A'' (the lone flow made the forward slower there:
  * benchmarks/NOTES.md, session 12). The chunk table is read two key items
  * ahead. */
-template <int K, int G>
-__global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_args args, int kitems, int *ready)
+template <int K, int G, int BWD>
+__global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_args args, int kitems, int *ready,
+                                                                        fq_bf16 *abwd, int *aflag)
 {
     typedef fq_inv_smem<K> SM;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -1547,8 +1654,8 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
                 for (int n = 0; n < 8; n++) kkt[32 * n + lane] = make_float4(l[n][0], l[n][1], l[n][2], l[n][3]);
                 /* (each lane reads back only what it wrote) */
             }
-            fq_inv_item<K, G>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, gam + 64, gam + 128, gam + 192, ready,
-                              next_gates);
+            fq_inv_item<K, G, BWD>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, gam + 64, gam + 128, gam + 192,
+                                   ready, abwd, aflag, next_gates);
         }
         ci = cn;
         cn = cnn;
@@ -1558,31 +1665,33 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
 }
 
 /* beside: that many blocks of 4 workers (fq_cuda_fwd_beside), one per SM by
- * their shared memory; 0: blocks of one worker, as many as fit. */
-template <int K>
-static fq_status fq_launch_inverse(const fq_wy_args &args, int kitems, int beside, int *ready, cudaStream_t stream)
+ * their shared memory; 0: blocks of one worker, as many as fit. BWD (the
+ * backward's recompute): also the backward's A and the items' flags. */
+template <int K, int BWD>
+static fq_status fq_launch_inverse(const fq_wy_args &args, int kitems, int beside, int *ready, fq_bf16 *abwd,
+                                   int *aflag, cudaStream_t stream)
 {
     if (beside > 0) {
         const int bytes = 4 * fq_inv_worker_bytes<K>();
-        fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K, 4>, bytes);
+        fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K, 4, BWD>, bytes);
         if (st != FQ_OK) return st;
         int grid = beside;
         if ((int64_t)grid * 4 > kitems) grid = (kitems + 3) / 4;
-        return fq_launch_k(fq_fwd_inverse_kernel<K, 4>, (unsigned)grid, 512, bytes, stream, fq_cuda_pdl_enabled(),
-                           args, kitems, ready);
+        return fq_launch_k(fq_fwd_inverse_kernel<K, 4, BWD>, (unsigned)grid, 512, bytes, stream,
+                           fq_cuda_pdl_enabled(), args, kitems, ready, abwd, aflag);
     }
     int bytes = fq_inv_smem<K>::bytes;
-    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K, 1>, bytes);
+    fq_status st = fq_cuda_set_smem((const void *)fq_fwd_inverse_kernel<K, 1, BWD>, bytes);
     if (st != FQ_OK) return st;
     int dev = 0, sms = 0, per_sm = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_inverse_kernel<K, 1>, 128, bytes));
+    FQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fq_fwd_inverse_kernel<K, 1, BWD>, 128, bytes));
     if (per_sm < 1) per_sm = 1;
     int grid = sms * per_sm;
     if (grid > kitems) grid = kitems;
-    return fq_launch_k(fq_fwd_inverse_kernel<K, 1>, (unsigned)grid, 128, bytes, stream, fq_cuda_pdl_enabled(), args,
-                       kitems, (int *)NULL);
+    return fq_launch_k(fq_fwd_inverse_kernel<K, 1, BWD>, (unsigned)grid, 128, bytes, stream, fq_cuda_pdl_enabled(),
+                       args, kitems, (int *)NULL, abwd, aflag);
 }
 
 extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws *ws, int beside,
@@ -1597,8 +1706,13 @@ extern "C" fq_status fq_cuda_fwd_inverse(const fq_gdn_params *p, const fq_fwd_ws
     fq_wy_args args = fq_wy_args_of(p, ws);
     args.rec = ws->rec;
     int *ready = beside > 0 ? ws->ready : NULL; /* (a kernel argument of its own: in fq_wy_args it changed the code) */
-    if (p->K == 128) return fq_launch_inverse<128>(args, (int)kitems, beside, ready, stream);
-    if (p->K == 64) return fq_launch_inverse<64>(args, (int)kitems, beside, ready, stream);
+    const int bwd = ws->abwd != NULL;
+    if (p->K == 128)
+        return bwd ? fq_launch_inverse<128, 1>(args, (int)kitems, beside, ready, ws->abwd, ws->aflag, stream)
+                   : fq_launch_inverse<128, 0>(args, (int)kitems, beside, ready, NULL, NULL, stream);
+    if (p->K == 64)
+        return bwd ? fq_launch_inverse<64, 1>(args, (int)kitems, beside, ready, ws->abwd, ws->aflag, stream)
+                   : fq_launch_inverse<64, 0>(args, (int)kitems, beside, ready, NULL, NULL, stream);
     return fq_cuda_head_dims_unsupported(p);
 }
 
