@@ -535,7 +535,7 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
             if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("timing: %s\n", fq_last_error()); nfail++; return; }
         CK(cudaStreamSynchronize(s));
         CK(cudaGetLastError());
-        std::vector<float> eager, graph, stage[5], sub[3]; /* sub: the recompute's prep + stage A v3, fused stage A, state pass */
+        std::vector<float> eager, graph, stage[5], sub[3]; /* sub: the recompute's prep (+ stage A v3), fused stage A, state pass (+ W) */
         for (int it = 0; it < 10; it++) {
             CK(cudaEventRecord(e0, s));
             fq_cuda_chunk_bwd(&p);
@@ -590,8 +590,8 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
                H, HV, B, T, tr.total, tr.eager, same ? "yes" : "NO", d.wsb / 1e9);
         printf("     stages: recompute(prep+wy+state) %.3f  local %.3f  state_bwd %.3f  wy_bwd %.3f ms\n",
                tr.stage[0], tr.stage[1], tr.stage[2], tr.stage[3]);
-        printf("     recompute: prep + stage A v3 %.3f  fused stage A %.3f  state pass %.3f ms (events between: "
-               "serialized)\n", med(sub[0]), med(sub[1]), med(sub[2]));
+        printf("     recompute: prep (+ stage A v3 off the fused path) %.3f  fused stage A %.3f  state pass (+ W, "
+               "gamma from the given A) %.3f ms (events between: serialized)\n", med(sub[0]), med(sub[1]), med(sub[2]));
         fflush(stdout);
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(gr));
     }
