@@ -147,12 +147,19 @@ static __device__ __forceinline__ void fq_mm16_acc(float acc[8], const float *X,
     }
 }
 
+/* Two consecutive elements of A as float: fp32 A (the stage A kernels' own)
+ * or bf16 A (fq_fwd_wy_persistent_kernel's mode AG: A from the inverse kernel) */
+static __device__ __forceinline__ float2 fq_wy_ld2(const float *p) { return *(const float2 *)p; }
+static __device__ __forceinline__ float2 fq_wy_ld2(const fq_bf16 *p) { return fq_unpack_bf16(*(const uint32_t *)p); }
+
 /* out[:, c0 .. c0+NC) = (A diag(f)) B over the 64 chunk rows, one warp:
- * A fp32 (Af, lower triangular: k-steps above the diagonal skipped), f one
- * factor per column of A, B bf16 [64][*] in shared memory (row stride ldb);
- * out bf16 in global memory (row stride ld). */
-template <int NC>
-static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float *f, const fq_bf16 *Bs, int ldb,
+ * A fp32 or bf16 (Af, row stride FQ_WY_LDF, lower triangular: k-steps above
+ * the diagonal skipped), f one factor per column of A (applied before the
+ * bf16 rounding of the mma operand: a bf16 A is rounded twice), B bf16
+ * [64][*] in shared memory (row stride ldb); out bf16 in global memory (row
+ * stride ld). */
+template <int NC, typename AT>
+static __device__ __forceinline__ void fq_wy_apply(const AT *Af, const float *f, const fq_bf16 *Bs, int ldb,
                                                     int c0, fq_bf16 *out, int ld)
 {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
@@ -166,53 +173,9 @@ static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float 
         for (int kk = 0; kk <= m; kk++) {
             const int ca = 16 * kk + 2 * tq;
             const float2 f0 = *(const float2 *)(f + ca), f8 = *(const float2 *)(f + ca + 8);
-            const float *ar = Af + (16 * m + gq) * FQ_WY_LDF + ca;
-            const float2 p00 = *(const float2 *)ar, p10 = *(const float2 *)(ar + 8 * FQ_WY_LDF);
-            const float2 p01 = *(const float2 *)(ar + 8), p11 = *(const float2 *)(ar + 8 * FQ_WY_LDF + 8);
-            uint32_t a[4];
-            a[0] = fq_pack_bf16(p00.x * f0.x, p00.y * f0.y);
-            a[1] = fq_pack_bf16(p10.x * f0.x, p10.y * f0.y);
-            a[2] = fq_pack_bf16(p01.x * f8.x, p01.y * f8.y);
-            a[3] = fq_pack_bf16(p11.x * f8.x, p11.y * f8.y);
-#pragma unroll
-            for (int n2 = 0; n2 < NC / 16; n2++) {
-                uint32_t b[4];
-                fq_frag_b_kn(b, Bs, ldb, 16 * kk, c0 + 16 * n2);
-                fq_mma_bf16(acc[2 * n2], a, b[0], b[1]);
-                fq_mma_bf16(acc[2 * n2 + 1], a, b[2], b[3]);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < NC / 8; n++) {
-            int r = 16 * m + gq, c = c0 + 8 * n + 2 * tq;
-            *(uint32_t *)(out + r * ld + c) = fq_pack_bf16(acc[n][0], acc[n][1]);
-            *(uint32_t *)(out + (r + 8) * ld + c) = fq_pack_bf16(acc[n][2], acc[n][3]);
-        }
-    }
-}
-
-/* fq_wy_apply with A in bf16 ([64][lda] in shared memory, zeros above the
- * diagonal: fq_fwd_wy_persistent_kernel's mode AG, A from the inverse
- * kernel): the same fragments, A's elements times f before their bf16
- * rounding as the mma operand (rounded twice here: A itself is bf16). */
-template <int NC>
-static __device__ __forceinline__ void fq_wy_apply_bf16(const fq_bf16 *As, int lda, const float *f, const fq_bf16 *Bs,
-                                                        int ldb, int c0, fq_bf16 *out, int ld)
-{
-    const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int m = 0; m < 4; m++) {
-        float acc[NC / 8][4];
-#pragma unroll
-        for (int n = 0; n < NC / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk <= m; kk++) {
-            const int ca = 16 * kk + 2 * tq;
-            const float2 f0 = *(const float2 *)(f + ca), f8 = *(const float2 *)(f + ca + 8);
-            const fq_bf16 *ar = As + (16 * m + gq) * lda + ca;
-            const float2 p00 = fq_unpack_bf16(*(const uint32_t *)ar), p10 = fq_unpack_bf16(*(const uint32_t *)(ar + 8 * lda));
-            const float2 p01 = fq_unpack_bf16(*(const uint32_t *)(ar + 8)),
-                         p11 = fq_unpack_bf16(*(const uint32_t *)(ar + 8 * lda + 8));
+            const AT *ar = Af + (16 * m + gq) * FQ_WY_LDF + ca;
+            const float2 p00 = fq_wy_ld2(ar), p10 = fq_wy_ld2(ar + 8 * FQ_WY_LDF);
+            const float2 p01 = fq_wy_ld2(ar + 8), p11 = fq_wy_ld2(ar + 8 * FQ_WY_LDF + 8);
             uint32_t a[4];
             a[0] = fq_pack_bf16(p00.x * f0.x, p00.y * f0.y);
             a[1] = fq_pack_bf16(p10.x * f0.x, p10.y * f0.y);
@@ -822,7 +785,7 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
             /* no non-finite input in the chunk (the inverse kernel's test): fl =
              * tg = 64, nothing to cut; A given: W = (A diag(fw)) K, gamma, kdecay */
             const int64_t tile = it * 64;
-            fq_wy_apply_bf16<K / 4>((const fq_bf16 *)Lf, FQ_WY_LDF, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+            fq_wy_apply<K / 4>((const fq_bf16 *)Lf, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
             fq_wy_store(args, tile, Af, gam, rkv, ci.len, 64, tid, false);
         } else if (ci.seq >= 0) { /* block-uniform */
             fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq, sfi); /* L (as blocked) */
