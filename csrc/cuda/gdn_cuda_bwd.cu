@@ -96,6 +96,7 @@ typedef struct fq_bwd_ws {
     fq_bf16 *dsl;  /* [nc, HV, K, V]; before step 3 the fused recompute's own workspace */
     float *dgam;   /* [nc, HV, 64]     */
     float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
+    int *aflag;    /* [nc, HV]: stage A's flags (gdn_cuda_fwd_wy.cu), bwd_state90's W poison */
     /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
      * seg.segs [seg_bound], seg.md [cp_bound, HV, K, K + V], seg.ss [cp_bound, HV, K, V] */
     fq_fwd_ws seg;
@@ -135,6 +136,7 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
+    FQ_CARVE(ws->aflag, int *, nc * HV * 4);
     ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
     ws->seg.nseg_max = K <= 128 ? fq_bwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
@@ -201,29 +203,41 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
      * so there step 1 loads no V tiles and forms no U (ws.f.u's memory is
      * only dvl's, from step 3 on) */
     const int fused_rc = fq_bwd_fused_recompute(p);
+    /* given_a: the fused recompute's stage A provides A, and W is never formed:
+     * only where bwd_state90 runs (K = V = 128 on sm_90a), the one reverse pass
+     * that multiplies by A and K instead of reading W */
+    const int given_a = fused_rc && fq_bwd_sm90_path(p);
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
-    if (!fused_rc && (st = fq_cuda_fwd_wy_recompute(p, &ws.f, 1, stream)) != FQ_OK) return st;
+    if (!given_a) {
+        fq_fwd_ws wr = ws.f;
+        wr.aflag = ws.aflag; /* (written: 1 where the item's W has NaN rows, for bwd_state90) */
+        if ((st = fq_cuda_fwd_wy_recompute(p, &wr, !fused_rc, stream)) != FQ_OK) return st;
+    }
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
     if (fused_rc) {
         /* the fused forward's chain: its workspace = the chunk table, norms and
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3).
-         * Its stage A (the tensor-core inverse) also writes the backward's A into
-         * ws.a and per item whether a non-finite input is there (into dgam's
-         * place, written only by step 3); after the chain, fq_cuda_fwd_wy_given
-         * forms gamma, kdecay and W from that A, and A itself only for the flagged
-         * items (the backward's rules; one inverse per item instead of two) */
+         * given_a: its stage A (the tensor-core inverse) also writes the backward's
+         * A into ws.a and per item whether a non-finite input is there (ws.aflag);
+         * after the chain, fq_cuda_fwd_wy_given forms gamma and kdecay, and A (by
+         * the backward's rules) and the flag (1: W's rows from a bad token on NaN)
+         * only for the flagged items: one inverse per item instead of two, and no W */
         fq_fwd_ws fz = ws.f;
         fq_cuda_fwd_fused_extras_layout(p, ws.dsl, &fz);
-        fz.abwd = ws.a;
-        fz.aflag = (int *)ws.dgam;
+        if (given_a) {
+            fz.abwd = ws.a;
+            fz.aflag = ws.aflag;
+        }
         int beside = 0;
         if ((st = fq_cuda_fwd_stage_a(p, &fz, &beside, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_fused_states(p, &fz, beside, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
-        fq_fwd_ws wg = ws.f;
-        wg.abwd = ws.a;
-        wg.aflag = (int *)ws.dgam;
-        if ((st = fq_cuda_fwd_wy_given(p, &wg, stream)) != FQ_OK) return st;
+        if (given_a) {
+            fq_fwd_ws wg = ws.f;
+            wg.abwd = ws.a;
+            wg.aflag = ws.aflag;
+            if ((st = fq_cuda_fwd_wy_given(p, &wg, stream)) != FQ_OK) return st;
+        }
     } else {
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;
@@ -249,6 +263,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     args.dsl = ws.dsl;
     args.dgam = ws.dgam;
     args.dkp = ws.dkp;
+    args.aflag = ws.aflag;
     args.q = p->q;
     args.k = p->k;
     args.beta = p->beta;

@@ -15,10 +15,12 @@
  *        dVn        = P^T dO + diag(kd) K dS'                     (bf16 -> dvl, for bwd_wy)
  *        dS         = e^{gamma_C} dS' + Q^T diag(qg) dO - W^T dVn
  *   with qg = scale e^gamma rq, kd = e^{gamma_C - gamma} rk (a.kdecay), gamma,
- *   W from the recompute's stage A (gdn_cuda_fwd_wy.cu); ending in dh0.
+ *   W = A diag(fw) K, fw = beta e^gamma rk, A from the recompute's stage A
+ *   (gdn_cuda_fwd_wy.cu); ending in dh0. W itself is never formed: the update
+ *   is dS -= ((dVn^T A) diag(fw)) K.
  *
- * Three warpgroups (384 threads), one CTA per SM (~221 KB of shared memory):
- *   WG0, producer: one thread issues the TMA loads of a chunk's Q, K, W
+ * Three warpgroups (384 threads), one CTA per SM (~198 KB of shared memory):
+ *   WG0, producer: one thread issues the TMA loads of a chunk's Q, K, A
  *        (K x 64 rows) and dO (this CTA's 64 columns) tiles and bulk copies of
  *        its gamma and kdecay into the stage (mbarrier `full`), three chunks
  *        deep, last chunk first; warps 1..3 (the checker) zero the rows past
@@ -34,7 +36,9 @@
  *          X^T  = dS'^T K^T               (A = dS'^T bf16 from registers, K K-major)
  *          dS^T = e^{gamma_C} dS'^T + (dO^T diag(qg)) Q   (A = dO^T scaled, registers; Q MN-major)
  *          dVn^T = L + X^T diag(kd)       bf16, to dvl by TMA store
- *          dS^T -= dVn^T W                (A = -dVn^T from registers, W MN-major)
+ *          Z^T  = dVn^T A                 (A = dVn^T from registers, A's tile MN-major)
+ *          dS^T -= (Z^T diag(fw)) K       (A = -Z'^T bf16 from registers, K MN-major;
+ *                                          NaN where stage A flagged the item: a.aflag)
  *
  * The same equations, bf16 operands and selects as fq_bwd_state_kernel plus
  * bwd_local's dv_local / dS_local, except that dS_local enters dS straight
@@ -55,17 +59,17 @@
 
 #define FQ_BST_STAGES 3
 
-/* Shared memory of one CTA. Per stage: Q (2 tiles), K (2), W (2), dO (1: this
+/* Shared memory of one CTA. Per stage: Q (2 tiles), K (2), A (1), dO (1: this
  * CTA's 64 columns). Then P [r][s] (the local warpgroup's own), two L tiles
  * (dVn_local^T [v][s], local -> chain), the staging of dS_next^T as [kd][v]
  * (2 tiles) and of dVn as [s][v] (1), the barriers and per stage the row
- * vectors: gamma, kdecay (bulk copies), qg, scale rq, rk (the checker). */
+ * vectors: gamma, kdecay (bulk copies), qg, scale rq, rk, fw (the checker). */
 struct fq_bst_smem {
     static constexpr int NS = FQ_BST_STAGES;
     static constexpr int off_q = 0;
     static constexpr int off_k = off_q + 2 * FQ_TILE;
-    static constexpr int off_w = off_k + 2 * FQ_TILE;
-    static constexpr int off_do = off_w + 2 * FQ_TILE;
+    static constexpr int off_a = off_k + 2 * FQ_TILE; /* A [r][c] (W = A diag(fw) K is never formed) */
+    static constexpr int off_do = off_a + FQ_TILE;
     static constexpr int stage = off_do + FQ_TILE;
     static constexpr int off_p = NS * stage;
     static constexpr int off_l = off_p + FQ_TILE;
@@ -75,7 +79,7 @@ struct fq_bst_smem {
     /* per stage: full, empty, checked; per L buffer: lfull, lempty */
     static constexpr int nbar = 3 * NS + 4;
     static constexpr int off_vec = off_bar + (nbar * 8 + 15) / 16 * 16;
-    static constexpr int VG = 0, VKD = 64, VQG = 128, VPQ = 192, VRK = 256, vec_floats = 320;
+    static constexpr int VG = 0, VKD = 64, VQG = 128, VPQ = 192, VRK = 256, VFW = 320, vec_floats = 384;
     static constexpr int bytes = off_vec + NS * vec_floats * 4 + 1024; /* + alignment slack */
     static_assert(stage % 1024 == 0 && off_p % 1024 == 0, "tiles keep their 1024-byte alignment");
     static_assert(bytes <= 227 * 1024, "one CTA per SM");
@@ -153,7 +157,7 @@ static __device__ __forceinline__ void fq_bst_stage_stores(unsigned char *sds, c
 template <int CP>
 __global__ void __launch_bounds__(384, 1)
     fq_bwd_state90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_do,
+                          const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_do,
                           const __grid_constant__ CUtensorMap tm_ds, const __grid_constant__ CUtensorMap tm_dv,
                           const __grid_constant__ fq_bst_args args)
 {
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(384, 1)
         fq_mbar_init_fence();
         fq_tma_prefetch_desc(&tm_q);
         fq_tma_prefetch_desc(&tm_k);
-        fq_tma_prefetch_desc(&tm_w);
+        fq_tma_prefetch_desc(&tm_a);
         if (args.do_tma) fq_tma_prefetch_desc(&tm_do);
     }
     __syncthreads();
@@ -209,7 +213,7 @@ __global__ void __launch_bounds__(384, 1)
         fq_setmaxnreg_dec40();
         if (tid == 0) {
             const int qdo = !mblk; /* (MAP's M blocks: no Q, no dO) */
-            const uint32_t bytes = (uint32_t)(4 + (qdo ? 2 + (args.do_tma ? 1 : 0) : 0)) * FQ_TILE + 512;
+            const uint32_t bytes = (uint32_t)(3 + (qdo ? 2 + (args.do_tma ? 1 : 0) : 0)) * FQ_TILE + 512;
             for (int st = 0; st < nch; st++) {
                 const int i = nch - 1 - st, s = st % NS;
                 if (st >= NS) fq_mbar_wait(&empty[s], ((st / NS) - 1) & 1);
@@ -219,10 +223,10 @@ __global__ void __launch_bounds__(384, 1)
                 fq_mbar_arrive_tx(&full[s], bytes);
                 fq_bulk_load(vec + SM::VG, a.gamma + (int64_t)tile * 64, 256, &full[s]);
                 fq_bulk_load(vec + SM::VKD, a.kdecay + (int64_t)tile * 64, 256, &full[s]);
+                fq_tma_load_3d(sm + SM::off_a, &tm_a, &full[s], 0, 0, tile);
 #pragma unroll
                 for (int kt = 0; kt < 2; kt++) {
                     fq_tma_load_3d(sm + SM::off_k + kt * FQ_TILE, &tm_k, &full[s], 64 * kt, hq, row);
-                    fq_tma_load_3d(sm + SM::off_w + kt * FQ_TILE, &tm_w, &full[s], 64 * kt, 0, tile);
                     if (qdo) fq_tma_load_3d(sm + SM::off_q + kt * FQ_TILE, &tm_q, &full[s], 64 * kt, hq, row);
                 }
                 if (qdo && args.do_tma) fq_tma_load_3d(sm + SM::off_do, &tm_do, &full[s], 64 * vb, j, row);
@@ -283,6 +287,18 @@ __global__ void __launch_bounds__(384, 1)
                         vec[SM::VPQ + r] = a.scale * rq;
                         vec[SM::VRK + r] = rk;
                     }
+                }
+                /* W's column factors fw_r = beta_r e^{gamma_r} rk_r (0 past the chunk's
+                 * tokens), every block (MAP's M blocks run the update too) */
+                if (tk < 64) {
+                    const int r = tk;
+                    float fw = 0.f;
+                    if (r < len) {
+                        const float be = fq_ld_f(a.beta, a.gdt, (int64_t)(row0 + r) * HV + j);
+                        const float rk = a.rk ? a.rk[(int64_t)(row0 + r) * a.H + hq] : 1.f;
+                        fw = be * __expf(vec[SM::VG + r]) * rk;
+                    }
+                    vec[SM::VFW + r] = fw;
                 }
                 /* (tiles written here are read by wgmma: the async proxy; the vectors only by
                  * plain loads, which the barrier orders) */
@@ -406,6 +422,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int st = 0; st < nch; st++) {
             const int i = nch - 1 - st, s = st % NS, b = st & 1;
             const int tile = (chunk0 + i) * HV + j;
+            const int pois = a.aflag[tile]; /* (used at the update: its load on its way meanwhile) */
             const unsigned char *sm = smem + s * SM::stage;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
             fq_mbar_wait(&checked[s], (st / NS) & 1);
@@ -467,19 +484,46 @@ __global__ void __launch_bounds__(384, 1)
                     const float2 l = fq_unpack_bf16(lf[kk][q]);
                     va[kk][q] = fq_pack_bf16(l.x + kdc[2 * nb] * xacc[e0], l.y + kdc[2 * nb + 1] * xacc[e0 + 1]);
                 }
-            /* dS^T -= dVn^T W (W [s][kd] MN-major; A = dVn^T, negated by the instruction) */
-            const uint64_t dwm = fq_desc_sw128(fq_smem_u32(sm + SM::off_w), FQ_TILE, 1024);
+            /* dS^T -= dVn^T W with W = A diag(fw) K never formed: Z^T = dVn^T A (A [r][c]
+             * MN-major), Z'^T = Z^T diag(fw) (bf16), dS^T -= Z'^T K (K MN-major; A operand
+             * negated by the instruction). Where stage A flagged the item (W's rows from a
+             * bad token before the chunk's end are NaN: a.aflag), Z'^T is NaN, as that W
+             * made the whole update */
+            float zacc[32];
+            const uint64_t dam = fq_desc_sw128(fq_smem_u32(sm + SM::off_a), FQ_TILE, 1024);
             fq_wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 1>(S, va[kk], fq_desc_at(dwm, 2048 * kk), 1);
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n64<1, 0>(zacc, va[kk], fq_desc_at(dam, 2048 * kk), kk > 0);
             fq_wgmma_commit();
-            /* dS_next[c] = dS' (bf16 [K][V]) and dVn (bf16 [64][V]) to dsl, dvl while the update
-             * runs (va is its A operand; sb's product is complete): one proxy fence per chunk */
+            /* dS_next[c] = dS' (bf16 [K][V]) and dVn (bf16 [64][V]) to dsl, dvl while Z runs
+             * (va is its A operand; sb's product is complete): one proxy fence per chunk */
             if constexpr (!MAP)
                 fq_bst_stage_stores(sDs, sb, sDv, va, &tm_ds, &tm_dv, 64 * vb, tile, tc, w, lane);
+            float fwc[16];
+#pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                const float2 f = *(const float2 *)(vec + SM::VFW + 8 * nb + 2 * t);
+                fwc[2 * nb] = f.x, fwc[2 * nb + 1] = f.y;
+            }
+            fq_wgmma_wait<0>();
+            fq_reg_fence(zacc);
+            uint32_t za[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    /* pair q: accumulator block 2 kk + (q >> 1), rows + 8 (q & 1) (as va) */
+                    const int nb = 2 * kk + (q >> 1), e0 = 4 * nb + 2 * (q & 1);
+                    za[kk][q] = pois ? 0x7fc07fc0u : fq_pack_bf16(zacc[e0] * fwc[2 * nb], zacc[e0 + 1] * fwc[2 * nb + 1]);
+                }
+            const uint64_t dkm = fq_desc_sw128(fq_smem_u32(sm + SM::off_k), FQ_TILE, 1024);
+            fq_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 1>(S, za[kk], fq_desc_at(dkm, 2048 * kk), 1);
+            fq_wgmma_commit();
             fq_wgmma_wait<0>();
             fq_reg_fence(S);
-            fq_mbar_arrive(&empty[s]); /* K, W, Q, dO and the vectors read */
+            fq_mbar_arrive(&empty[s]); /* K, A, Q, dO and the vectors read */
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
         }
@@ -536,12 +580,12 @@ fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, co
     const uint64_t K = 128, V = 128, H = (uint64_t)p->H, HV = (uint64_t)p->HV;
     const uint64_t rows = p->B * p->T > 0 ? (uint64_t)(p->B * p->T) : 1;
     const uint64_t tiles = nc * p->HV > 0 ? (uint64_t)(nc * p->HV) : 1;
-    /* q, k [rows][H][K], dO [rows][HV][V]: boxes of 64 columns x 64 rows; W [tiles][64][K]
+    /* q, k [rows][H][K], dO [rows][HV][V]: boxes of 64 columns x 64 rows; A [tiles][64][64]
      * (64 x 64); dS_next [tiles][K][V] (64 columns x K rows, one store for both tiles);
      * dVn [tiles][64][V] (64 x 64) */
     const uint64_t dqk[3] = {K, H, rows}, sqk[2] = {K * 2, H * K * 2};
     const uint64_t ddo[3] = {V, HV, rows}, sdo[2] = {V * 2, HV * V * 2};
-    const uint64_t dw[3] = {K, 64, tiles}, sw[2] = {K * 2, 64 * K * 2};
+    const uint64_t dam[3] = {64, 64, tiles}, sam[2] = {64 * 2, 64 * 64 * 2};
     const uint64_t dds[3] = {V, K, tiles}, sds[2] = {V * 2, K * V * 2};
     const uint64_t ddv[3] = {V, 64, tiles}, sdv[2] = {V * 2, 64 * V * 2};
     const uint32_t brow[3] = {64, 1, 64}, btile[3] = {64, 64, 1}, bds[3] = {64, (uint32_t)K, 1};
@@ -549,7 +593,7 @@ fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, co
     fq_status st;
     if ((st = fq_tmap(&m[0], a.qb, 3, dqk, sqk, brow)) != FQ_OK) return st;
     if ((st = fq_tmap(&m[1], a.kb, 3, dqk, sqk, brow)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m[2], a.w, 3, dw, sw, btile)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m[2], a.a, 3, dam, sam, btile)) != FQ_OK) return st;
     if (a.dout_async) {
         if ((st = fq_tmap(&m[3], a.dout, 3, ddo, sdo, brow)) != FQ_OK) return st;
     } else {

@@ -700,7 +700,7 @@ static __device__ __forceinline__ fq_chunk_info fq_wy_item_chunk(const fq_wy_arg
  * (169 KB: four 33 KB tiles); without U 3 (71 KB), 2 at 256 (103 KB). */
 template <int K, int V, bool UO, bool AG>
 __global__ void __launch_bounds__(128, (K > 128 || V > 128) ? (UO ? 1 : 2) : (UO ? 2 : 3))
-fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
+fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, int *aflag)
 {
     static_assert(!(UO && AG), "mode AG is the fused recompute's (no U)");
     typedef fq_wy_persistent_smem<K, V, UO> SM;
@@ -723,19 +723,24 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
     const int64_t stride = gridDim.x;
 
     /* prologue: item blockIdx.x's tiles and gates in flight, the next item's
-     * chunk-table entry read */
+     * chunk-table entry read. AG (the fused recompute, after its stage A wrote
+     * A, and aflag: 1 where the item holds a non-finite input): only the
+     * flagged items are formed in full (the backward's rules); the others
+     * need gamma and kdecay only, no tile. Their flags are read two items
+     * ahead. aflag, written (AG: for the flagged items; else, when given, for
+     * every item): 1 where W's rows from a bad token before the chunk's end
+     * are NaN (bwd_state90's implicit W makes those items' update NaN) */
     int64_t it = blockIdx.x;
     fq_chunk_info ci = fq_wy_item_chunk(args, it, items);
     fq_chunk_info cn = fq_wy_item_chunk(args, it + stride, items);
-    if (ci.seq >= 0)
+    int f_cur = AG ? (it < items ? aflag[it] : 0) : 1;
+    int f_next = AG ? (it + stride < items ? aflag[it + stride] : 0) : 1;
+    if (ci.seq >= 0 && f_cur)
         fq_wy_issue_loads<K, V, UO>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
     if (warp == 0) fq_wy_gates(args, ci, (int)(it % HV), gv, bv, rv);
     if (tid == 0) sf[0] = sf[1] = sf[2] = sf[3] = 64; /* read after the loop-top barrier */
-    /* AG: whether the item's A must be formed here (its flag from the inverse
-     * kernel), read an item ahead; every item does without AG */
-    int full = AG ? (it < items ? aflag[it] : 1) : 1;
 
 #pragma unroll 1
     for (int buf = 0; it < items; it += stride, buf ^= 1) {
@@ -747,23 +752,9 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
         __syncthreads(); /* the previous item is done with Lf, Af, vec and buffer buf ^ 1 */
         int *sfi = sf + 2 * buf;
         if (tid == 0) sf[2 * (buf ^ 1)] = sf[2 * (buf ^ 1) + 1] = 64; /* the next item's slot */
-        /* AG, an item without a non-finite input: its A (bf16, from the inverse
-         * kernel) into Lf's place, a group of its own before the next item's */
-        const int cur_full = full;
-        if (AG && !cur_full && ci.seq >= 0) {
-            const fq_bf16 *asrc = args.a + it * 64 * 64;
-            fq_bf16 *adst = (fq_bf16 *)Lf;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int p = tid + 128 * i, r = p >> 3, c = 8 * (p & 7);
-                fq_cp_async16(adst + r * FQ_WY_LDF + c, asrc + r * 64 + c, 16);
-            }
-        }
-        if (AG) {
-            fq_cp_async_commit();
-            full = nit < items ? aflag[nit] : 1; /* (the next item's, used an item on) */
-        }
-        if (cn.seq >= 0)
+        const int cur_full = f_cur;
+        const int f_nn = AG ? (nit + stride < items ? aflag[nit + stride] : 0) : 1; /* (used two items on) */
+        if (cn.seq >= 0 && f_next)
             fq_wy_issue_loads<K, V, UO>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
         fq_cp_async_commit();
@@ -782,11 +773,9 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
         __syncthreads();
 
         if (AG && !cur_full && ci.seq >= 0) { /* block-uniform */
-            /* no non-finite input in the chunk (the inverse kernel's test): fl =
-             * tg = 64, nothing to cut; A given: W = (A diag(fw)) K, gamma, kdecay */
-            const int64_t tile = it * 64;
-            fq_wy_apply<K / 4>((const fq_bf16 *)Lf, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
-            fq_wy_store(args, tile, Af, gam, rkv, ci.len, 64, tid, false);
+            /* no non-finite input in the chunk (the inverse kernel's test): A as
+             * given, no W (never formed on this path), gamma and kdecay */
+            fq_wy_store(args, it * 64, Af, gam, rkv, ci.len, 64, tid, false);
         } else if (ci.seq >= 0) { /* block-uniform */
             fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq, sfi); /* L (as blocked) */
             __syncthreads();
@@ -844,6 +833,7 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
             fq_wy_store(args, tile, Af, gam, rkv, ci.len, f, tid);
             /* causality, rare: W's rows from min(fl, tg) on to NaN (the header) */
             const int fwn = min(fl, sf[4]);
+            if (aflag && tid == 0) aflag[it] = fwn < ci.len;
             if (fwn < 64) {
                 __syncthreads();
                 fq_wy_poison_w<K>(args.w + tile * K, fwn, ci.len, tid);
@@ -851,12 +841,14 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, const int *aflag)
         }
         ci = cn;
         cn = cnn;
+        f_cur = f_next;
+        f_next = f_nn;
     }
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
 
 template <int K, int V, bool UO, bool AG>
-static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, const int *aflag, cudaStream_t stream)
+static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, int *aflag, cudaStream_t stream)
 {
     int bytes = fq_wy_persistent_smem<K, V, UO>::bytes;
     int dev = 0, sms = 0, per_sm = 0, optin = 0;
@@ -880,7 +872,7 @@ static fq_status fq_launch_wy_persistent(const fq_wy_args &args, int64_t items, 
 }
 
 template <bool UO, bool AG>
-static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, const int *aflag,
+static fq_status fq_wy_persistent_dims(const fq_gdn_params *p, const fq_wy_args &args, int64_t items, int *aflag,
                                        cudaStream_t stream)
 {
     if (p->K == 128 && p->V == 128) return fq_launch_wy_persistent<128, 128, UO, AG>(args, items, aflag, stream);
@@ -897,8 +889,8 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
     int64_t items = ws->nc_max * p->HV;
     if (items <= 0) return FQ_OK;
     const fq_wy_args args = fq_wy_args_of(p, ws);
-    return with_u ? fq_wy_persistent_dims<true, false>(p, args, items, NULL, stream)
-                  : fq_wy_persistent_dims<false, false>(p, args, items, NULL, stream);
+    return with_u ? fq_wy_persistent_dims<true, false>(p, args, items, ws->aflag, stream)
+                  : fq_wy_persistent_dims<false, false>(p, args, items, ws->aflag, stream);
 }
 
 /* The backward's fused recompute after its stage A ran with ws->abwd (= ws->a)
