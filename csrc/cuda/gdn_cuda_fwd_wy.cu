@@ -147,19 +147,12 @@ static __device__ __forceinline__ void fq_mm16_acc(float acc[8], const float *X,
     }
 }
 
-/* Two consecutive elements of A as float: fp32 A (the stage A kernels' own)
- * or bf16 A (fq_fwd_wy_persistent_kernel's mode AG: A from the inverse kernel) */
-static __device__ __forceinline__ float2 fq_wy_ld2(const float *p) { return *(const float2 *)p; }
-static __device__ __forceinline__ float2 fq_wy_ld2(const fq_bf16 *p) { return fq_unpack_bf16(*(const uint32_t *)p); }
-
 /* out[:, c0 .. c0+NC) = (A diag(f)) B over the 64 chunk rows, one warp:
- * A fp32 or bf16 (Af, row stride FQ_WY_LDF, lower triangular: k-steps above
- * the diagonal skipped), f one factor per column of A (applied before the
- * bf16 rounding of the mma operand: a bf16 A is rounded twice), B bf16
- * [64][*] in shared memory (row stride ldb); out bf16 in global memory (row
- * stride ld). */
-template <int NC, typename AT>
-static __device__ __forceinline__ void fq_wy_apply(const AT *Af, const float *f, const fq_bf16 *Bs, int ldb,
+ * A fp32 (Af, lower triangular: k-steps above the diagonal skipped), f one
+ * factor per column of A, B bf16 [64][*] in shared memory (row stride ldb);
+ * out bf16 in global memory (row stride ld). */
+template <int NC>
+static __device__ __forceinline__ void fq_wy_apply(const float *Af, const float *f, const fq_bf16 *Bs, int ldb,
                                                     int c0, fq_bf16 *out, int ld)
 {
     const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
@@ -173,9 +166,9 @@ static __device__ __forceinline__ void fq_wy_apply(const AT *Af, const float *f,
         for (int kk = 0; kk <= m; kk++) {
             const int ca = 16 * kk + 2 * tq;
             const float2 f0 = *(const float2 *)(f + ca), f8 = *(const float2 *)(f + ca + 8);
-            const AT *ar = Af + (16 * m + gq) * FQ_WY_LDF + ca;
-            const float2 p00 = fq_wy_ld2(ar), p10 = fq_wy_ld2(ar + 8 * FQ_WY_LDF);
-            const float2 p01 = fq_wy_ld2(ar + 8), p11 = fq_wy_ld2(ar + 8 * FQ_WY_LDF + 8);
+            const float *ar = Af + (16 * m + gq) * FQ_WY_LDF + ca;
+            const float2 p00 = *(const float2 *)ar, p10 = *(const float2 *)(ar + 8 * FQ_WY_LDF);
+            const float2 p01 = *(const float2 *)(ar + 8), p11 = *(const float2 *)(ar + 8 * FQ_WY_LDF + 8);
             uint32_t a[4];
             a[0] = fq_pack_bf16(p00.x * f0.x, p00.y * f0.y);
             a[1] = fq_pack_bf16(p10.x * f0.x, p10.y * f0.y);
@@ -894,9 +887,11 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
 }
 
 /* The backward's fused recompute after its stage A ran with ws->abwd (= ws->a)
- * and ws->aflag: gamma, kdecay and W of every item, A taken as the inverse
- * kernel wrote it, except where aflag says the item holds a non-finite input:
- * there A too, by the backward's rules (the persistent kernel's mode AG). */
+ * and ws->aflag (where bwd_state90 runs, which never reads W): gamma and
+ * kdecay of every item, A taken as the inverse kernel wrote it, except where
+ * aflag says the item holds a non-finite input: there A (and W) by the
+ * backward's rules, and aflag = 1 only if W's rows are NaN before the chunk's
+ * end (the persistent kernel's mode AG). */
 extern "C" fq_status fq_cuda_fwd_wy_given(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     int64_t items = ws->nc_max * p->HV;
