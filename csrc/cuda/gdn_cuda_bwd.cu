@@ -96,7 +96,8 @@ typedef struct fq_bwd_ws {
     fq_bf16 *dsl;  /* [nc, HV, K, V]; before step 3 the fused recompute's own workspace */
     float *dgam;   /* [nc, HV, 64]     */
     float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
-    int *aflag;    /* [nc, HV]: stage A's flags (gdn_cuda_fwd_wy.cu), bwd_state90's W poison */
+    int *aflag;    /* [nc, HV] stage A's flags (gdn_cuda_fwd_wy.cu), bwd_state90's W poison; then
+                      the count and the list of the flagged items ([1 + nc HV]) */
     /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
      * seg.segs [seg_bound], seg.md [cp_bound, HV, K, K + V], seg.ss [cp_bound, HV, K, V] */
     fq_fwd_ws seg;
@@ -136,7 +137,7 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
-    FQ_CARVE(ws->aflag, int *, nc * HV * 4);
+    FQ_CARVE(ws->aflag, int *, (2 * nc * HV + 1) * 4);
     ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
     ws->seg.nseg_max = K <= 128 ? fq_bwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
@@ -206,7 +207,8 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     /* given_a: the fused recompute's stage A provides A, and W is never formed:
      * only where bwd_state90 runs (K = V = 128 on sm_90a), the one reverse pass
      * that multiplies by A and K instead of reading W */
-    const int given_a = fused_rc && fq_bwd_sm90_path(p);
+    const int64_t items = ws.f.nc_max * p->HV;
+    const int given_a = fused_rc && fq_bwd_sm90_path(p) && items < INT32_MAX / 2; /* (the list holds int items) */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
     if (!given_a) {
         fq_fwd_ws wr = ws.f;
@@ -227,6 +229,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
         if (given_a) {
             fz.abwd = ws.a;
             fz.aflag = ws.aflag;
+            FQ_CUDA_CHECK(cudaMemsetAsync(ws.aflag + items, 0, sizeof(int), stream)); /* the list's count */
         }
         int beside = 0;
         if ((st = fq_cuda_fwd_stage_a(p, &fz, &beside, stream)) != FQ_OK) return st;

@@ -416,11 +416,10 @@ static __device__ __forceinline__ void fq_wy_diag_inverse(const float *Lf, float
  * blocks of Af were never written), and gamma, kdecay for stage B; with
  * args.poison, gamma_r = NaN for r >= f (causality, the header). */
 static __device__ __forceinline__ void fq_wy_store(const fq_wy_args &args, int64_t tile, const float *Af,
-                                                   const float *gam, const float *rkv, int len, int f, int tid,
-                                                   bool store_a = true)
+                                                   const float *gam, const float *rkv, int len, int f, int tid)
 {
     constexpr int LDF = FQ_WY_LDF;
-    if (args.a && store_a) {
+    if (args.a) {
         fq_bf16 *ag = args.a + tile * 64;
         for (int idx = tid; idx < 64 * 8; idx += 128) {
             int r = idx >> 3, c = (idx & 7) * 8;
@@ -715,20 +714,25 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, int *aflag)
     const int gq = lane >> 2, tq = lane & 3;
     const int64_t stride = gridDim.x;
 
-    /* prologue: item blockIdx.x's tiles and gates in flight, the next item's
-     * chunk-table entry read. AG (the fused recompute, after its stage A wrote
-     * A, and aflag: 1 where the item holds a non-finite input): only the
-     * flagged items are formed in full (the backward's rules); the others
-     * need gamma and kdecay only, no tile. Their flags are read two items
-     * ahead. aflag, written (AG: for the flagged items; else, when given, for
-     * every item): 1 where W's rows from a bad token before the chunk's end
-     * are NaN (bwd_state90's implicit W makes those items' update NaN) */
-    int64_t it = blockIdx.x;
+    /* The block walks positions k = blockIdx.x, + stride, ... of its items:
+     * item k itself; AG (the fused recompute, after its stage A wrote A,
+     * gamma, kdecay and the list of the items holding a non-finite input:
+     * aflag[items] of them at aflag + items + 1), the k-th listed item, formed
+     * in full by the backward's rules (an empty list: nothing to do). aflag,
+     * written (AG: for the listed items; else, when given, for every item): 1
+     * where W's rows from a bad token before the chunk's end are NaN
+     * (bwd_state90's implicit W makes those items' update NaN).
+     * Prologue: the first item's tiles and gates in flight, the next one's
+     * chunk-table entry read */
+    const int64_t cnt = AG ? (int64_t)aflag[items] : items;
+    auto item_at = [&](int64_t k) -> int64_t {
+        if (!AG) return k;
+        return k < cnt ? (int64_t)aflag[items + 1 + k] : items; /* (items: none, fq_wy_item_chunk) */
+    };
+    int64_t k = blockIdx.x, it = item_at(k), nit = item_at(k + stride);
     fq_chunk_info ci = fq_wy_item_chunk(args, it, items);
-    fq_chunk_info cn = fq_wy_item_chunk(args, it + stride, items);
-    int f_cur = AG ? (it < items ? aflag[it] : 0) : 1;
-    int f_next = AG ? (it + stride < items ? aflag[it + stride] : 0) : 1;
-    if (ci.seq >= 0 && f_cur)
+    fq_chunk_info cn = fq_wy_item_chunk(args, nit, items);
+    if (ci.seq >= 0)
         fq_wy_issue_loads<K, V, UO>(args, ci, (int)(it % HV), (fq_bf16 *)(smem + SM::off_k0), (fq_bf16 *)(smem + SM::off_v0));
     fq_cp_async_commit();
     float gv[2] = {0.f, 0.f}, bv[2] = {0.f, 0.f}, rv[2] = {0.f, 0.f};
@@ -736,18 +740,16 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, int *aflag)
     if (tid == 0) sf[0] = sf[1] = sf[2] = sf[3] = 64; /* read after the loop-top barrier */
 
 #pragma unroll 1
-    for (int buf = 0; it < items; it += stride, buf ^= 1) {
-        const int64_t nit = it + stride;
-        const fq_chunk_info cnn = fq_wy_item_chunk(args, nit + stride, items); /* used two items on */
+    for (int buf = 0; k < cnt; k += stride, buf ^= 1) {
+        const int64_t nnit = item_at(k + 2 * stride);
+        const fq_chunk_info cnn = fq_wy_item_chunk(args, nnit, items); /* used two items on */
         fq_bf16 *Ks = (fq_bf16 *)(smem + (buf ? SM::off_k1 : SM::off_k0));
         fq_bf16 *Vs = (fq_bf16 *)(smem + (buf ? SM::off_v1 : SM::off_v0));
 
         __syncthreads(); /* the previous item is done with Lf, Af, vec and buffer buf ^ 1 */
         int *sfi = sf + 2 * buf;
         if (tid == 0) sf[2 * (buf ^ 1)] = sf[2 * (buf ^ 1) + 1] = 64; /* the next item's slot */
-        const int cur_full = f_cur;
-        const int f_nn = AG ? (nit + stride < items ? aflag[nit + stride] : 0) : 1; /* (used two items on) */
-        if (cn.seq >= 0 && f_next)
+        if (cn.seq >= 0)
             fq_wy_issue_loads<K, V, UO>(args, cn, (int)(nit % HV), (fq_bf16 *)(smem + (buf ? SM::off_k0 : SM::off_k1)),
                                (fq_bf16 *)(smem + (buf ? SM::off_v0 : SM::off_v1)));
         fq_cp_async_commit();
@@ -765,11 +767,7 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, int *aflag)
         if (UO && ci.seq >= 0) fq_wy_scan_rows<V, SM::LDV>(Vs, tid, sfi + 1); /* this thread's own V pieces */
         __syncthreads();
 
-        if (AG && !cur_full && ci.seq >= 0) { /* block-uniform */
-            /* no non-finite input in the chunk (the inverse kernel's test): A as
-             * given, no W (never formed on this path), gamma and kdecay */
-            fq_wy_store(args, it * 64, Af, gam, rkv, ci.len, 64, tid, false);
-        } else if (ci.seq >= 0) { /* block-uniform */
+        if (ci.seq >= 0) { /* block-uniform */
             fq_wy_lower<K, SM::LDK>(Ks, Lf, gam, bet, rkv, warp, gq, tq, sfi); /* L (as blocked) */
             __syncthreads();
 
@@ -834,8 +832,8 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, int *aflag)
         }
         ci = cn;
         cn = cnn;
-        f_cur = f_next;
-        f_next = f_nn;
+        it = nit;
+        nit = nnit;
     }
     fq_cp_async_wait<0>(); /* nothing left in flight at exit */
 }
@@ -887,11 +885,12 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
 }
 
 /* The backward's fused recompute after its stage A ran with ws->abwd (= ws->a)
- * and ws->aflag (where bwd_state90 runs, which never reads W): gamma and
- * kdecay of every item, A taken as the inverse kernel wrote it, except where
- * aflag says the item holds a non-finite input: there A (and W) by the
- * backward's rules, and aflag = 1 only if W's rows are NaN before the chunk's
- * end (the persistent kernel's mode AG). */
+ * and ws->aflag (where bwd_state90 runs, which never reads W): stage A wrote
+ * A, gamma and kdecay of every item and listed the items holding a
+ * non-finite input (ws->aflag[items] of them from ws->aflag + items + 1);
+ * those get A, gamma, kdecay (and W) again by the backward's rules, and
+ * aflag = 1 only if W's rows are NaN before the chunk's end (the persistent
+ * kernel's mode AG; nothing to do without non-finite inputs). */
 extern "C" fq_status fq_cuda_fwd_wy_given(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
 {
     int64_t items = ws->nc_max * p->HV;
@@ -1165,7 +1164,7 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
                                                    const float4 *kkt, fq_bf16 *Ab, fq_bf16 *Xs, float *Ld,
                                                    const float *gam, const float *bet, const float *rkv,
                                                    const float *rqv, int *ready, fq_bf16 *abwd, int *aflag,
-                                                   Hook next_gates)
+                                                   int *acount, Hook next_gates)
 {
     typedef fq_inv_smem<K> SM;
     /* f = the first bad row (64: none), from the warps' words (written
@@ -1453,18 +1452,28 @@ static __device__ __forceinline__ void fq_inv_item(const fq_wy_args &args, fq_ch
     if (!SIDE && tid < 64) record_row(tid, f);
     if (BWD) {
         /* the backward's A (bf16 [64][64], zeros above the diagonal: Ab's
-         * blocks there were never written) for bwd_wy, and whether the item
-         * holds a non-finite input (f < 64: a bad k, g, beta or rk shows in
-         * L, fq_fwd_inverse_kernel's header), where the backward's own rules
-         * differ (g' = finite select): fq_fwd_wy_persistent_kernel then forms
-         * the item's A again (its mode AG) */
+         * blocks there were never written) for bwd_wy, gamma and kdecay, and
+         * whether the item holds a non-finite input (f < 64: a bad k, g, beta
+         * or rk shows in L, fq_fwd_inverse_kernel's header), where the
+         * backward's own rules differ (g' = finite select): such items are
+         * listed (acount[0] of them at acount + 1) and
+         * fq_fwd_wy_persistent_kernel's mode AG forms them again */
         fq_bf16 *ag = abwd + item * 64 * 64;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int p = tid + 128 * i, r = p >> 3, c = 8 * (p & 7);
             *(uint4 *)(ag + r * 64 + c) = *(const uint4 *)(Ab + r * SM::LDA + c);
         }
-        if (tid == 0) aflag[item] = f < 64 || !isfinite(gam[63]);
+        if (tid < 64) { /* gamma and kdecay as the persistent kernel's (fq_wy_store; the
+                           flagged items get theirs again by the backward's rules) */
+            args.gamma[item * 64 + tid] = gam[tid];
+            args.kdecay[item * 64 + tid] = tid < ci.len ? __expf(gam[63] - gam[tid]) * rkv[tid] : 0.f;
+        }
+        if (tid == 0) {
+            const int bad = f < 64 || !isfinite(gam[63]);
+            aflag[item] = bad;
+            if (bad) acount[1 + atomicAdd(acount, 1)] = (int)item; /* (the list's order does not matter) */
+        }
     }
     if (G > 1 && ready) { /* beside the state pass: every thread's stores of A'' and the record, then the flag */
         fq_inv_sync<G>();
@@ -1605,7 +1614,7 @@ __global__ void __launch_bounds__(128 * G, 4 / G) fq_fwd_inverse_kernel(fq_wy_ar
                 /* (each lane reads back only what it wrote) */
             }
             fq_inv_item<K, G, BWD>(args, ci, hq, item0 + i, kkt, Ab, Xs, Ld, gam, gam + 64, gam + 128, gam + 192,
-                                   ready, abwd, aflag, next_gates);
+                                   ready, abwd, aflag, BWD ? aflag + (int64_t)kitems * R : (int *)NULL, next_gates);
         }
         ci = cn;
         cn = cnn;
