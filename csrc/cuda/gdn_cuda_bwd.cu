@@ -95,7 +95,7 @@ typedef struct fq_bwd_ws {
     fq_bf16 *a;    /* [nc, HV, 64, 64] */
     fq_bf16 *dsl;  /* [nc, HV, K, V]; before step 3 the fused recompute's own workspace */
     float *dgam;   /* [nc, HV, 64]     */
-    float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group */
+    float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group (given_a: in W's place when it fits) */
     int *aflag;    /* [nc, HV] stage A's flags (gdn_cuda_fwd_wy.cu), bwd_state90's W poison; then
                       the count and the list of the flagged items ([1 + nc HV]) */
     /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
@@ -118,6 +118,29 @@ static int fq_bwd_nseg_max(const fq_gdn_params *p)
     return n < 3 ? 1 : (int)n;
 }
 
+/* 1: the recompute's state pass is the fused kernel's HST mode (where the
+ * fused forward runs); 0: the three-stage state pass. FLASHQLA_CUDA_BWD_RECOMPUTE=0
+ * or 1 (read once) forces one, for timing the two (dev/cuda/check_bwd.cu). */
+static int fq_bwd_fused_recompute(const fq_gdn_params *p)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *e = getenv("FLASHQLA_CUDA_BWD_RECOMPUTE");
+        env = e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
+    }
+    if (!fq_cuda_fwd_fused_available(p)) return 0;
+    return env >= 0 ? env : 1;
+}
+
+/* given_a: the fused recompute's stage A provides A, and W is never formed:
+ * only where bwd_state90 runs (K = V = 128 on sm_90a), the one reverse pass
+ * that multiplies by A and K instead of reading W (items: the list of flagged
+ * items holds int). The workspace layout and the run ask the same question. */
+static int fq_bwd_given_a(const fq_gdn_params *p, int64_t items)
+{
+    return fq_bwd_fused_recompute(p) && fq_bwd_sm90_path(p) && items < INT32_MAX / 2;
+}
+
 static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *ws)
 {
     fq_bwd_ws tmp;
@@ -136,7 +159,15 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     const size_t dsl_bytes = (size_t)(nc * HV * K * V * 2), fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
-    FQ_CARVE(ws->dkp, float *, BT * p->H * K * 4);
+    /* dK_O's buffer: where W is never formed (given_a), in W's place when that is
+     * large enough (W is [nc, HV, 64, K] bf16, dK_O [B*T, H, K] fp32: at HV >= 2 H) */
+    const size_t w_bytes = (size_t)(nc * HV * 64 * K * 2), dkp_bytes = (size_t)(BT * p->H * K * 4);
+    if (fq_bwd_given_a(p, nc * HV) && w_bytes >= dkp_bytes) {
+        ws->dkp = (float *)ws->f.w;
+        ws->f.w = NULL;
+    } else {
+        FQ_CARVE(ws->dkp, float *, dkp_bytes);
+    }
     FQ_CARVE(ws->aflag, int *, (2 * nc * HV + 1) * 4);
     ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
     ws->seg.nseg_max = K <= 128 ? fq_bwd_nseg_max(p) : 1;
@@ -156,20 +187,6 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
 extern "C" size_t fq_cuda_chunk_bwd_workspace_bytes(const fq_gdn_params *p)
 {
     return fq_cuda_gates_ws_bytes(p, 'b') + fq_bwd_ws_layout(p, NULL, NULL);
-}
-
-/* 1: the recompute's state pass is the fused kernel's HST mode (where the
- * fused forward runs); 0: the three-stage state pass. FLASHQLA_CUDA_BWD_RECOMPUTE=0
- * or 1 (read once) forces one, for timing the two (dev/cuda/check_bwd.cu). */
-static int fq_bwd_fused_recompute(const fq_gdn_params *p)
-{
-    static int env = -2;
-    if (env == -2) {
-        const char *e = getenv("FLASHQLA_CUDA_BWD_RECOMPUTE");
-        env = e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
-    }
-    if (!fq_cuda_fwd_fused_available(p)) return 0;
-    return env >= 0 ? env : 1;
 }
 
 /* 1: the reverse state pass with context parallelism where the sizes allow it
@@ -204,11 +221,8 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
      * so there step 1 loads no V tiles and forms no U (ws.f.u's memory is
      * only dvl's, from step 3 on) */
     const int fused_rc = fq_bwd_fused_recompute(p);
-    /* given_a: the fused recompute's stage A provides A, and W is never formed:
-     * only where bwd_state90 runs (K = V = 128 on sm_90a), the one reverse pass
-     * that multiplies by A and K instead of reading W */
     const int64_t items = ws.f.nc_max * p->HV;
-    const int given_a = fused_rc && fq_bwd_sm90_path(p) && items < INT32_MAX / 2; /* (the list holds int items) */
+    const int given_a = fq_bwd_given_a(p, items); /* (then ws.f.w NULL, maybe dK_O's memory) */
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
     if (!given_a) {
         fq_fwd_ws wr = ws.f;

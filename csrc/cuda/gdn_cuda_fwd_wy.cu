@@ -817,15 +817,16 @@ fq_fwd_wy_persistent_kernel(fq_wy_args args, int64_t items, int *aflag)
                 if (UO) fq_wy_cut<V, SM::LDV>(Vs, bet, f, tid);
                 __syncthreads();
             }
-            /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as blocked) */
+            /* W = (A diag(fw)) K, U = (A diag(beta)) V: warp w, columns w*K/4.. (as blocked);
+             * AG: no W (nothing reads it there; args.w may be NULL: its memory is bwd_local's) */
             const int64_t tile = it * 64; /* (chunk * HV + j) * 64 */
-            fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
+            if (!AG) fq_wy_apply<K / 4>(Af, fw, Ks, SM::LDK, warp * (K / 4), args.w + tile * K, K);
             if (UO) fq_wy_apply<V / 4>(Af, bet, Vs, SM::LDV, warp * (V / 4), args.u + tile * V, V);
             fq_wy_store(args, tile, Af, gam, rkv, ci.len, f, tid);
             /* causality, rare: W's rows from min(fl, tg) on to NaN (the header) */
             const int fwn = min(fl, sf[4]);
             if (aflag && tid == 0) aflag[it] = fwn < ci.len;
-            if (fwn < 64) {
+            if (!AG && fwn < 64) {
                 __syncthreads();
                 fq_wy_poison_w<K>(args.w + tile * K, fwn, ci.len, tid);
             }
@@ -888,7 +889,7 @@ extern "C" fq_status fq_cuda_fwd_wy_persistent(const fq_gdn_params *p, const fq_
  * and ws->aflag (where bwd_state90 runs, which never reads W): stage A wrote
  * A, gamma and kdecay of every item and listed the items holding a
  * non-finite input (ws->aflag[items] of them from ws->aflag + items + 1);
- * those get A, gamma, kdecay (and W) again by the backward's rules, and
+ * those get A, gamma, kdecay again by the backward's rules (no W), and
  * aflag = 1 only if W's rows are NaN before the chunk's end (the persistent
  * kernel's mode AG; nothing to do without non-finite inputs). */
 extern "C" fq_status fq_cuda_fwd_wy_given(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream)
