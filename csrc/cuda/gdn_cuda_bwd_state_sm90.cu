@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int kk = 0; kk < 4; kk++) fq_acc_to_a(pf[kk], &pacc[8 * kk], 1.f);
             fq_named_bar(1, 128); /* every warp done with the previous chunk's P (its wgmma waited for) */
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) fq_stsm_x4(fq_pair_addr(sP, w, 2 * kk, lane), pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3]);
+            for (int kk = 0; kk < 4; kk++) fq_stsm_pairs(sP, w, 2 * kk, pf[kk][0], pf[kk][1], pf[kk][2], pf[kk][3]);
             fq_fence_async_smem();
             fq_named_bar(1, 128);
             /* dVn_local^T = dO^T P (P [r][s] MN-major) */
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int kk = 0; kk < 4; kk++) {
                 uint32_t lf[4];
                 fq_acc_to_a(lf, &lacc[8 * kk], 1.f);
-                fq_stsm_x4(fq_pair_addr(L, w, 2 * kk, lane), lf[0], lf[1], lf[2], lf[3]);
+                fq_stsm_pairs(L, w, 2 * kk, lf[0], lf[1], lf[2], lf[3]);
             }
             fq_mbar_arrive(&lfull[b]); /* (read by ldmatrix: generic proxy, the barrier orders it) */
         }

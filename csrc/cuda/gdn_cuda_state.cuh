@@ -225,22 +225,15 @@ template <int K, int REV>
 static fq_status fq_cp_combine_launch_k(const fq_gdn_params *p, const fq_fwd_ws *ws, const float *h0,
                                         cudaStream_t stream)
 {
-    static int nb_of[64]; /* [device] map buffers (2, or 1 where two do not fit), 0: not yet asked */
-    int dev = 0;
+    /* map buffers: 2, or 1 where two do not fit a block's shared memory (the
+     * attribute is set only for the kernel launched: fq_cuda_set_smem caches it) */
+    int dev = 0, optin = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
-    int nb = dev >= 0 && dev < 64 ? nb_of[dev] : 0;
-    if (nb == 0) {
-        int optin = 0;
-        FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-        nb = optin >= fq_cmb_smem_bytes<K>(2) ? 2 : 1;
-        fq_status st = fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 2>, fq_cmb_smem_bytes<K>(2));
-        if (nb == 1 || st != FQ_OK) {
-            nb = 1;
-            if ((st = fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 1>, fq_cmb_smem_bytes<K>(1))) != FQ_OK)
-                return st;
-        }
-        if (dev >= 0 && dev < 64) nb_of[dev] = nb;
-    }
+    FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    const int nb = optin >= fq_cmb_smem_bytes<K>(2) ? 2 : 1;
+    fq_status st = nb == 2 ? fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 2>, fq_cmb_smem_bytes<K>(2))
+                           : fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 1>, fq_cmb_smem_bytes<K>(1));
+    if (st != FQ_OK) return st;
     const unsigned grid = (unsigned)(ws->seg_bound * p->HV * (p->V / FQ_CMB_CW));
     const int pdl = fq_cuda_pdl_enabled();
     if (nb == 2)

@@ -329,6 +329,18 @@ int main()
         float ms = timeit([&] { CK(cudaMemcpyAsync(pool2, pool, heads * 65536, cudaMemcpyDeviceToDevice, s)); });
         printf(" | %11.2f %6.3f", ms * 1e3, 2.0 * heads * 65536 / (ms * 1e-3) / 1e12);
     }
+    /* ms per launch of n launches captured in one graph (enqueue(i): launch i) */
+    auto graph_ms = [&](int n, auto enqueue) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < n; i++) enqueue(i);
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        const float ms = timeit([&] { CK(cudaGraphLaunch(ge, s)); }) / n;
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+        return ms;
+    };
     /* pools in turn: a graph of 32 launches, launch i on pool i % P of P pools that
      * together exceed the 50 MB L2 (as consecutive layers' pools), so that every
      * launch streams from DRAM; programmatic dependent launch as the library's */
@@ -338,47 +350,26 @@ int main()
         printf("%-8s", v.name);
         for (int N : {16, 64}) {
             const size_t heads = (size_t)N * 32, P = N == 16 ? 8 : 4;
-            cudaGraph_t g;
-            cudaGraphExec_t ge;
-            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-            for (int i = 0; i < 32; i++) launch(v, pool + (size_t)(i % P) * heads * 16384, heads, s, i > 0);
-            CK(cudaStreamEndCapture(s, &g));
-            CK(cudaGraphInstantiate(&ge, g, 0));
-            float ms = timeit([&] { CK(cudaGraphLaunch(ge, s)); }) / 32;
+            const float ms = graph_ms(32, [&](int i) { launch(v, pool + (size_t)(i % P) * heads * 16384, heads, s, i > 0); });
             printf(" | N=%-3d %8.2f %6.3f", N, ms * 1e3, 2.0 * heads * 65536 / (ms * 1e-3) / 1e12);
-            CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
         }
         printf("\n");
     }
     printf("%-8s", "copy");
     for (int N : {16, 64}) {
         const size_t heads = (size_t)N * 32, n4 = heads * 65536 / 16, P = N == 16 ? 8 : 4;
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < 32; i++) {
+        const float ms = graph_ms(32, [&](int i) {
             const size_t o = (size_t)(i % P) * heads * 16384;
             k_copy<<<4 * g_sms, 512, 0, s>>>((const float4 *)(pool + o), (float4 *)(pool2 + o), n4);
-        }
-        CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        float ms = timeit([&] { CK(cudaGraphLaunch(ge, s)); }) / 32;
+        });
         printf(" | N=%-3d %8.2f %6.3f", N, ms * 1e3, 2.0 * heads * 65536 / (ms * 1e-3) / 1e12);
-        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
     printf("\n\nN = 1 (32 heads, 2 MB): 100 launches in one graph, us per launch\n");
     for (const Var &v : vars) {
         printf("%-8s", v.name);
         for (int pdl = 0; pdl < 2; pdl++) {
-            cudaGraph_t g;
-            cudaGraphExec_t ge;
-            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-            for (int i = 0; i < 100; i++) launch(v, pool + (size_t)(i % 8) * 32 * 16384, 32, s, pdl && i > 0);
-            CK(cudaStreamEndCapture(s, &g));
-            CK(cudaGraphInstantiate(&ge, g, 0));
-            float ms = timeit([&] { CK(cudaGraphLaunch(ge, s)); });
-            printf("  %s %.3f", pdl ? "pdl" : "plain", ms * 1e3 / 100);
-            CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+            const float ms = graph_ms(100, [&](int i) { launch(v, pool + (size_t)(i % 8) * 32 * 16384, 32, s, pdl && i > 0); });
+            printf("  %s %.3f", pdl ? "pdl" : "plain", ms * 1e3);
         }
         printf("\n");
     }

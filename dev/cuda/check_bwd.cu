@@ -509,15 +509,21 @@ static std::vector<uint16_t> raw16(const void *p, size_t n)
     CK(cudaMemcpy(x.data(), p, n * 2, cudaMemcpyDeviceToHost));
     return x;
 }
-static void time_case(int B, int T, int H, int HV, double fla_ms)
+/* The timing rows' inputs at (B, T, H, HV), K = V = 128, bf16, h0 and dht
+ * given, on the device (the host copies freed) */
+static void setup_timing(int B, int T, int H, int HV, fq_gdn_params &p, Dev &d)
 {
     Case c = {"timing", B, T, H, HV, 128, 128, {}, 0, 1, 1, FQ_BF16, 16};
     Host h;
     make_inputs_fast(c, h);
+    setup(c, h, p, d, 1.0 / sqrt(128.0));
+}
+
+static void time_case(int B, int T, int H, int HV, double fla_ms)
+{
     fq_gdn_params p;
     Dev d;
-    setup(c, h, p, d, 1.0 / sqrt(128.0));
-    h = Host(); /* free host memory */
+    setup_timing(B, T, H, HV, p, d);
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     p.stream = s;
@@ -606,12 +612,9 @@ static void time_case(int B, int T, int H, int HV, double fla_ms)
  * backward>). */
 static void one_case(int B, int T, int H, int HV)
 {
-    Case c = {"one", B, T, H, HV, 128, 128, {}, 0, 1, 1, FQ_BF16, 16};
-    Host h;
-    make_inputs_fast(c, h);
     fq_gdn_params p;
     Dev d;
-    setup(c, h, p, d, 1.0 / sqrt(128.0));
+    setup_timing(B, T, H, HV, p, d);
     for (int i = 0; i < 2; i++)
         if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("one: %s\n", fq_last_error()); nfail++; break; }
     CK(cudaDeviceSynchronize());
