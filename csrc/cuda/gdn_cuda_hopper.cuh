@@ -176,6 +176,23 @@ static __device__ __forceinline__ void fq_wgmma_ss_n32(float (&d)[16], uint64_t 
 #endif
 }
 
+template <int TA, int TB, int NEG_A>
+static __device__ __forceinline__ void fq_wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int acc)
+{
+#if FQ_SM90A
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "%64, %65, p, %67, 1, %68, %69;\n}\n"
+        : FQ_D8(0), FQ_D8(8), FQ_D8(16), FQ_D8(24), FQ_D8(32), FQ_D8(40), FQ_D8(48), FQ_D8(56)
+        : "l"(da), "l"(db), "r"(acc), "n"(NEG_A ? -1 : 1), "n"(TA), "n"(TB));
+#endif
+}
+
 template <int TB, int NEG_A>
 static __device__ __forceinline__ void fq_wgmma_rs_n64(float (&d)[32], const uint32_t a[4], uint64_t db, int acc)
 {

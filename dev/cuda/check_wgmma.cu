@@ -58,7 +58,10 @@ static __device__ void put_acc(float *D, int ldd, const float (&d)[NR])
  * case 4: D = A B with A [64 m][128 k] K-major from smem (two tiles), B [64 n][128 k] K-major, SS, n64
  * case 5: D = A B^T, A regs [64 m][64 k], B [64 n][64 k] zero above the 16 x 16 block diagonal
  *         (n < 16 (k / 16)), in the fused forward's A'' tile (no swizzle, K-step kk at 2048 kk,
- *         core matrices LBO 128, SBO 256; gdn_cuda_common.cuh), RS, n64 */
+ *         core matrices LBO 128, SBO 256; gdn_cuda_common.cuh), RS, n64
+ * case 6: D = -A B, A [64 m][64 k] stored transposed ([k][m]: MN-major A), B [64 k][128 n] as two
+ *         MN-major tiles, SS, n128, -A (the fused reverse kernel's chain: dS^T -= Z'^T K with Z'
+ *         [c][v] and K [c][kd] tiles as they are) */
 __global__ void __launch_bounds__(128) k_test(int which, const __nv_bfloat16 *A, const __nv_bfloat16 *Bm,
                                               const float *C, float *D)
 {
@@ -126,6 +129,23 @@ __global__ void __launch_bounds__(128) k_test(int which, const __nv_bfloat16 *A,
         fq_wgmma_wait<0>();
         fq_reg_fence(d64);
         put_acc(D, 64, d64);
+    } else if (which == 6) {
+        for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
+            const int k = idx / 64, m = idx % 64; /* tile row k, column m: A^T */
+            *(__nv_bfloat16 *)(sm + fq_sw128(k, 2 * m)) = A[m * 64 + k];
+        }
+        put_tile(sm + 8192, Bm, 128, 0, 0);
+        put_tile(sm + 16384, Bm, 128, 0, 64);
+        fq_fence_async_smem();
+        __syncthreads();
+        fq_wgmma_fence();
+        for (int kk = 0; kk < 4; kk++)
+            fq_wgmma_ss_n128<1, 1, 1>(d128, fq_desc_sw128(s0 + 2048 * kk, 8192, 1024),
+                                      fq_desc_sw128(s0 + 8192 + 2048 * kk, 8192, 1024), kk > 0);
+        fq_wgmma_commit();
+        fq_wgmma_wait<0>();
+        fq_reg_fence(d128);
+        put_acc(D, 128, d128);
     } else if (which == 5) {
         for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
             const int r = idx / 64, c = idx % 64, kk = c >> 4;
@@ -183,20 +203,20 @@ int main(void)
     CK(cudaMemcpy(dC, hC, sizeof hC, cudaMemcpyHostToDevice));
     const char *names[] = {"ss n64 K/K", "rs n64 B MN-major", "rs n128 B MN-major (2 tiles)",
                            "rs n64 B K-major (2 tiles), -A, +C", "ss n64 K/K (2 tiles each)",
-                           "rs n64 B K-major no swizzle (A'' tile)"};
+                           "rs n64 B K-major no swizzle (A'' tile)", "ss n128 A, B MN-major (2 tiles), -A"};
     int fails = 0;
-    for (int which = 0; which < 6; which++) {
-        int N = which == 2 ? 128 : 64, Kd = (which == 3 || which == 4) ? 128 : 64;
+    for (int which = 0; which < 7; which++) {
+        int N = (which == 2 || which == 6) ? 128 : 64, Kd = (which == 3 || which == 4) ? 128 : 64;
         for (int m = 0; m < 64; m++)
             for (int c = 0; c < N; c++) {
                 double s = 0;
                 for (int k = 0; k < Kd; k++) {
                     double a = fA[m * Kd + k];
-                    double b = (which == 1 || which == 2) ? fB[k * N + c] : fB[c * Kd + k];
+                    double b = (which == 1 || which == 2 || which == 6) ? fB[k * N + c] : fB[c * Kd + k];
                     if (which == 5 && c < 16 * (k / 16)) b = 0.0; /* not stored, not multiplied */
                     s += a * b;
                 }
-                ref[m * N + c] = (float)(which == 3 ? hC[m * 64 + c] - s : s);
+                ref[m * N + c] = (float)(which == 3 ? hC[m * 64 + c] - s : which == 6 ? -s : s);
             }
         CK(cudaMemset(dD, 0xff, sizeof hD));
         k_test<<<1, 128>>>(which, dA, dB, dC, dD);
