@@ -5,13 +5,13 @@
  * Everything is recomputed from the inputs. In algorithm order:
  *
  *   0. fq_cuda_fwd_prepare   chunk table, bf16 q/k/v, inverse norms rq, rk
- *   1. stage A: gamma, A = (I+L)^-1 (kept for step 5), W (and U for the
- *      three-stage state pass): fq_cuda_fwd_wy_recompute (the persistent
- *      kernel) before the three-stage state pass; where the fused kernel runs
- *      step 2, its own stage A (fq_cuda_fwd_inverse, tensor cores) also writes
- *      A and flags the items holding a non-finite input, and after step 2
- *      fq_cuda_fwd_wy_given forms gamma, kdecay and W from that A (A again,
- *      by the backward's rules, only for the flagged items)
+ *   1. stage A: gamma, kdecay, A = (I+L)^-1 (kept for step 5), W (and U for
+ *      the three-stage state pass): fq_cuda_fwd_wy_recompute (the persistent
+ *      kernel) before step 2; where bwd_state90 runs after the fused kernel's
+ *      step 2 (given_a), that kernel's own stage A (fq_cuda_fwd_inverse,
+ *      tensor cores) writes gamma, kdecay and A and lists the items holding a
+ *      non-finite input, and after step 2 fq_cuda_fwd_wy_given forms those
+ *      items again by the backward's rules; W is never formed there
  *   2. chunk-start states h (bf16) and Vn = U - W h: where the fused forward
  *      runs (sm_90a, K and V in {64, 128}), its kernel in mode HST
  *      (fq_cuda_fwd_fused_states: stage A's A'' and gate record, the segment
@@ -223,38 +223,29 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     const int fused_rc = fq_bwd_fused_recompute(p);
     const int64_t items = ws.f.nc_max * p->HV;
     const int given_a = fq_bwd_given_a(p, items); /* (then ws.f.w NULL, maybe dK_O's memory) */
+    /* stage A's flags, written on both paths (1 where the item's W has NaN rows, for
+     * bwd_state90); given_a: the fused recompute's stage A writes the backward's A too */
+    ws.f.aflag = ws.aflag;
+    ws.f.abwd = given_a ? ws.a : NULL;
     if ((st = fq_cuda_fwd_prepare(p, &ws.f, stream)) != FQ_OK) return st;
-    if (!given_a) {
-        fq_fwd_ws wr = ws.f;
-        wr.aflag = ws.aflag; /* (written: 1 where the item's W has NaN rows, for bwd_state90) */
-        if ((st = fq_cuda_fwd_wy_recompute(p, &wr, !fused_rc, stream)) != FQ_OK) return st;
-    }
+    if (!given_a && (st = fq_cuda_fwd_wy_recompute(p, &ws.f, !fused_rc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[5], stream));
     if (fused_rc) {
         /* the fused forward's chain: its workspace = the chunk table, norms and
          * bf16 copies of ws.f + its own part in dsl's place (written only by step 3).
          * given_a: its stage A (the tensor-core inverse) also writes the backward's
-         * A into ws.a and per item whether a non-finite input is there (ws.aflag);
-         * after the chain, fq_cuda_fwd_wy_given forms gamma and kdecay, and A (by
-         * the backward's rules) and the flag (1: W's rows from a bad token on NaN)
-         * only for the flagged items: one inverse per item instead of two, and no W */
-        fq_fwd_ws fz = ws.f;
+         * A, gamma, kdecay and per item whether a non-finite input is there, and
+         * lists those items; after the chain, fq_cuda_fwd_wy_given forms A, gamma,
+         * kdecay again by the backward's rules and the flag (1: W's rows from a bad
+         * token on NaN) only for the listed items: one inverse per item, and no W */
+        fq_fwd_ws fz = ws.f; /* (abwd, aflag kept: the extras' layout sets only its own part) */
         fq_cuda_fwd_fused_extras_layout(p, ws.dsl, &fz);
-        if (given_a) {
-            fz.abwd = ws.a;
-            fz.aflag = ws.aflag;
-            FQ_CUDA_CHECK(cudaMemsetAsync(ws.aflag + items, 0, sizeof(int), stream)); /* the list's count */
-        }
+        if (given_a) FQ_CUDA_CHECK(cudaMemsetAsync(ws.aflag + items, 0, sizeof(int), stream)); /* the list's count */
         int beside = 0;
         if ((st = fq_cuda_fwd_stage_a(p, &fz, &beside, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_fused_states(p, &fz, beside, ws.f.h, ws.f.vn, stream)) != FQ_OK) return st;
-        if (given_a) {
-            fq_fwd_ws wg = ws.f;
-            wg.abwd = ws.a;
-            wg.aflag = ws.aflag;
-            if ((st = fq_cuda_fwd_wy_given(p, &wg, stream)) != FQ_OK) return st;
-        }
+        if (given_a && (st = fq_cuda_fwd_wy_given(p, &ws.f, stream)) != FQ_OK) return st;
     } else {
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[6], stream));
         if ((st = fq_cuda_fwd_state(p, &ws.f, NULL, 0, stream)) != FQ_OK) return st;

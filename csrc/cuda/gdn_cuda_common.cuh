@@ -596,9 +596,10 @@ fq_status fq_cuda_fwd_wy(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream
 /* Stage A as the backward's recompute runs it (the persistent kernel; see gdn_cuda_fwd_wy.cu).
  * with_u = 0: ws->u is not written (the fused recompute's chain forms Vn without U). */
 fq_status fq_cuda_fwd_wy_recompute(const fq_gdn_params *p, const fq_fwd_ws *ws, int with_u, cudaStream_t stream);
-/* The fused recompute's: after its stage A (fq_cuda_fwd_inverse with ws->abwd = ws->a,
- * ws->aflag set), gamma, kdecay, W of every item with A as stage A wrote it, and A too
- * where aflag marks a non-finite input (the backward's rules there; gdn_cuda_fwd_wy.cu). */
+/* The fused recompute's, after its stage A (fq_cuda_fwd_inverse with ws->abwd = ws->a,
+ * ws->aflag set) wrote A, gamma, kdecay of every item and listed the items holding a
+ * non-finite input: those items' A, gamma, kdecay again by the backward's rules, and their
+ * flag (W's NaN rows; no W is formed; gdn_cuda_fwd_wy.cu). */
 fq_status fq_cuda_fwd_wy_given(const fq_gdn_params *p, const fq_fwd_ws *ws, cudaStream_t stream);
 /* The two stage A kernels (same outputs): the blocked one (A = (I+L)^-1, one
  * block per chunk and value head; fq_cuda_fwd_wy runs it) and the persistent one (

@@ -230,19 +230,14 @@ static fq_status fq_cp_combine_launch_k(const fq_gdn_params *p, const fq_fwd_ws 
     int dev = 0, optin = 0;
     FQ_CUDA_CHECK(cudaGetDevice(&dev));
     FQ_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    const int nb = optin >= fq_cmb_smem_bytes<K>(2) ? 2 : 1;
-    fq_status st = nb == 2 ? fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 2>, fq_cmb_smem_bytes<K>(2))
-                           : fq_cuda_set_smem((const void *)fq_cp_combine_kernel<K, REV, 1>, fq_cmb_smem_bytes<K>(1));
+    const int nb = optin >= fq_cmb_smem_bytes<K>(2) ? 2 : 1, bytes = fq_cmb_smem_bytes<K>(nb);
+    void (*kern)(const fq_seg_info *, const float *, const float *, float *, int, int, int, fq_omap) =
+        nb == 2 ? fq_cp_combine_kernel<K, REV, 2> : fq_cp_combine_kernel<K, REV, 1>;
+    fq_status st = fq_cuda_set_smem((const void *)kern, bytes);
     if (st != FQ_OK) return st;
     const unsigned grid = (unsigned)(ws->seg_bound * p->HV * (p->V / FQ_CMB_CW));
-    const int pdl = fq_cuda_pdl_enabled();
-    if (nb == 2)
-        return fq_launch_k(fq_cp_combine_kernel<K, REV, 2>, grid, K, (size_t)fq_cmb_smem_bytes<K>(2), stream, pdl,
-                           (const fq_seg_info *)ws->segs, (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V,
-                           (int)p->state_vk, fq_omap_of(p));
-    return fq_launch_k(fq_cp_combine_kernel<K, REV, 1>, grid, K, (size_t)fq_cmb_smem_bytes<K>(1), stream, pdl,
-                       (const fq_seg_info *)ws->segs, (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V,
-                       (int)p->state_vk, fq_omap_of(p));
+    return fq_launch_k(kern, grid, K, (size_t)bytes, stream, fq_cuda_pdl_enabled(), (const fq_seg_info *)ws->segs,
+                       (const float *)ws->md, h0, ws->ss, (int)p->HV, (int)p->V, (int)p->state_vk, fq_omap_of(p));
 }
 
 /* The combine step over ws's segment slots (ws->segs, md, ss, seg_bound;
