@@ -105,12 +105,34 @@ typedef struct fq_bwd_ws {
 
 static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
-/* Segments per sequence at most for the reverse pass's context parallelism,
- * from (HV, K, V) only: its MAP pass (bwd_state, (P - 1) HV (K + V)/64 blocks
- * at 64 columns, one per SM) within one wave of FQ_CP_SMS SMs; fewer than
- * three: none (two would gain nothing). */
+/* 1: the reverse pass is bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu: the chain and
+ * bwd_wy's products in one kernel), where fq_bwd_sm90_path. FLASHQLA_CUDA_BWD_REVERSE=0
+ * (read once) runs bwd_state90 + bwd_wy90 instead, for timing the two. */
+static int fq_bwd_rev_path(const fq_gdn_params *p)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *e = getenv("FLASHQLA_CUDA_BWD_REVERSE");
+        env = e && e[0] == '0' && e[1] == 0 ? 0 : 1;
+    }
+    return env && fq_bwd_sm90_path(p);
+}
+
+/* Segments per sequence at most for the reverse pass's context parallelism.
+ * bwd_rev90: one CTA per (segment, value head), so the N HV chains are split
+ * until about FQ_CP_SMS CTAs run (from N, HV only; none where N HV already
+ * fills half the SMs). Else from (HV, K, V) only: the MAP pass (bwd_state,
+ * (P - 1) HV (K + V)/64 blocks at 64 columns, one per SM) within one wave of
+ * FQ_CP_SMS SMs. Fewer than three: none (two would gain nothing). */
 static int fq_bwd_nseg_max(const fq_gdn_params *p)
 {
+    if (p->K == 128 && p->V == 128 && fq_bwd_rev_path(p)) {
+        const int64_t units = p->N * p->HV;
+        if (units <= 0 || units >= FQ_CP_SMS / 2) return 1;
+        int64_t n = FQ_CP_SMS / units;
+        if (n > 16) n = 16;
+        return n < 3 ? 1 : (int)n;
+    }
     const int64_t map = p->HV * ((p->K + p->V) / 64);
     if (map <= 0) return 1;
     int64_t n = 1 + FQ_CP_SMS / map;
@@ -271,6 +293,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     args.dsl = ws.dsl;
     args.dgam = ws.dgam;
     args.dkp = ws.dkp;
+    args.dkw = (float *)ws.dsl; /* (bwd_rev90: [B*T, HV, K] fp32 fits dsl's [nc, HV, K, V] bf16 as nc 64 >= B*T) */
     args.aflag = ws.aflag;
     args.q = p->q;
     args.k = p->k;
@@ -297,14 +320,21 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[1], stream));
     const int cp = fq_bwd_cp(&ws);
     if (cp && (st = fq_cuda_fwd_segments(p, &ws.seg, 0, stream)) != FQ_OK) return st;
-    if (fq_bwd_sm90_path(p)) {
-        if ((st = fq_bwd_state90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
-    } else if ((st = fq_bwd_state_launch(p, args, cp ? &ws.seg : NULL, 0, 0, stream)) != FQ_OK) {
-        return st;
+    if (fq_bwd_rev_path(p)) {
+        /* 4 + 5 + 6 for dk: the chain and bwd_wy's products in one kernel, then dk's sum */
+        if ((st = fq_bwd_rev90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
+        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
+        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));
+    } else {
+        if (fq_bwd_sm90_path(p)) {
+            if ((st = fq_bwd_state90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
+        } else if ((st = fq_bwd_state_launch(p, args, cp ? &ws.seg : NULL, 0, 0, stream)) != FQ_OK) {
+            return st;
+        }
+        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
+        if ((st = fq_bwd_wy_launch(p, args, nc, stream)) != FQ_OK) return st;
+        if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));
     }
-    if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
-    if ((st = fq_bwd_wy_launch(p, args, nc, stream)) != FQ_OK) return st;
-    if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[4], stream)); /* (step 6 has no kernel of its own) */
 
     /* invalid cu_seqlens: NaN outputs */

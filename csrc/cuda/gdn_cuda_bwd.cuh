@@ -117,6 +117,7 @@ struct fq_bwd_args {
     fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4); bwd_state90: dS_next only */
     float *dgam;       /* [nc, HV, 64] dgamma of step 3                          */
     float *dkp;        /* [B*T, H, K] bwd_local's dK_O summed over the GVA group  */
+    float *dkw;        /* [B*T, HV, K] the reverse pass's dK per value head (bwd_rev90; dsl's memory) */
     const int *aflag;  /* [nc, HV] 1 where an item's W has NaN rows (a non-finite input before
                           the chunk's last token: stage A's rules): bwd_state90, which never
                           forms W, then makes the item's update NaN as W's rows would */
@@ -313,5 +314,17 @@ fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64
  * columns). nc: the chunk-table bound (the workspace's per-chunk arrays). */
 fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
                                 cudaStream_t stream);
+/* Its MAP pass over segws's segments and the reverse combine only (the start
+ * dS E_s of every split sequence's segments in segws->ss), for bwd_rev90. */
+fq_status fq_bwd_state90_map(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
+                             cudaStream_t stream);
+/* bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu), where fq_bwd_sm90_path: the reverse
+ * state pass fused with bwd_wy's products (one warp-specialised CTA per
+ * (sequence or segment, value head)): dv, dbeta, dg, and dK per value head into
+ * a.dkw, then dk finished from a.dkp and a.dkw; nothing in dsl, dvl. segws as
+ * bwd_state90's (its MAP pass and combine first). Needs bwd_local's dkp and
+ * dgam (bwd_local90 runs first). */
+fq_status fq_bwd_rev90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
+                              cudaStream_t stream);
 
 #endif /* FQ_GDN_CUDA_BWD_CUH */

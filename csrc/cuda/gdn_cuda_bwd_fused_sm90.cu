@@ -93,25 +93,6 @@ template <int NT> static __device__ __forceinline__ void fq_scale_tiles(unsigned
     }
 }
 
-/* bf16 pair at (row, column col, col + 1) of a 64-column tile */
-static __device__ __forceinline__ uint32_t *fq_tile_pair(unsigned char *tile, int row, int col)
-{
-    return (uint32_t *)(tile + fq_sw128(row, 2 * col));
-}
-
-/* Descriptors: K-major (lbo 16, sbo 1024; the K-step kk of a product over
- * 64 KT columns at (kk / 4) tiles + 32 (kk % 4) bytes) and MN-major (the next
- * 64 M/N elements a tile away, sbo 1024; K-step kk at 2048 kk bytes). */
-static __device__ __forceinline__ uint64_t fq_dkm(const unsigned char *p)
-{
-    return fq_desc_sw128(fq_smem_u32(p), 16, 1024);
-}
-static __device__ __forceinline__ uint64_t fq_dmn(const unsigned char *p)
-{
-    return fq_desc_sw128(fq_smem_u32(p), FQ_TILE, 1024);
-}
-static __device__ __forceinline__ uint32_t fq_koff(int kk) { return (kk >> 2) * FQ_TILE + 32 * (kk & 3); }
-
 template <int TA, int TB>
 static __device__ __forceinline__ void fq_wg_ss(float (&d)[32], uint64_t da, uint64_t db, int acc)
 {

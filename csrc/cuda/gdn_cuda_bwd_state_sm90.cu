@@ -571,8 +571,8 @@ static fq_status fq_bwd_state90_pass(const CUtensorMap (&m)[6], const fq_bst_arg
                        m[2], m[3], m[4], m[5], args);
 }
 
-fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
-                                cudaStream_t stream)
+static fq_status fq_bwd_state90_run(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
+                                    int map_only, cudaStream_t stream)
 {
     if (p->N <= 0) return FQ_OK;
     if (p->K != 128 || p->V != 128)
@@ -617,6 +617,19 @@ fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, co
     args.ncb = (int)((K + V) / 64);
     if ((st = fq_bwd_state90_pass<FQ_BWD_CP_MAP>(m, args, segws->seg_bound, stream)) != FQ_OK) return st;
     if ((st = fq_cp_combine_launch<1>(p, segws, a.dht, stream)) != FQ_OK) return st;
+    if (map_only) return FQ_OK;
     args.ncb = (int)(V / 64);
     return fq_bwd_state90_pass<FQ_BWD_CP_SEG>(m, args, segws->seg_bound, stream);
+}
+
+fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
+                                cudaStream_t stream)
+{
+    return fq_bwd_state90_run(p, a, segws, nc, 0, stream);
+}
+
+fq_status fq_bwd_state90_map(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
+                             cudaStream_t stream)
+{
+    return fq_bwd_state90_run(p, a, segws, nc, 1, stream);
 }

@@ -76,6 +76,26 @@ static __device__ __forceinline__ uint64_t fq_desc_at(uint64_t d, uint32_t bytes
     return d + (bytes >> 4);
 }
 
+/* bf16 pair at (row, column col, col + 1) of a 64-column tile */
+static __device__ __forceinline__ uint32_t *fq_tile_pair(unsigned char *tile, int row, int col)
+{
+    return (uint32_t *)(tile + fq_sw128(row, 2 * col));
+}
+
+/* Descriptors of operands in 64 x 64 tiles: K-major (lbo 16, sbo 1024; the
+ * K-step kk of a product over 64 KT columns at (kk / 4) tiles + 32 (kk % 4)
+ * bytes, fq_koff) and MN-major (the next 64 M/N elements a tile away, sbo
+ * 1024; K-step kk at 2048 kk bytes). */
+static __device__ __forceinline__ uint64_t fq_dkm(const unsigned char *p)
+{
+    return fq_desc_sw128(fq_smem_u32(p), 16, 1024);
+}
+static __device__ __forceinline__ uint64_t fq_dmn(const unsigned char *p)
+{
+    return fq_desc_sw128(fq_smem_u32(p), FQ_TILE, 1024);
+}
+static __device__ __forceinline__ uint32_t fq_koff(int kk) { return (kk >> 2) * FQ_TILE + 32 * (kk & 3); }
+
 /* ------------------------------------------------------------ warpgroup ---- */
 
 static __device__ __forceinline__ void fq_wgmma_fence(void)
@@ -114,6 +134,12 @@ static __device__ __forceinline__ void fq_setmaxnreg_dec40(void)
 {
 #if FQ_SM90A
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+}
+template <int N> static __device__ __forceinline__ void fq_setmaxnreg_dec(void)
+{
+#if FQ_SM90A
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
 #endif
 }
 

@@ -41,6 +41,9 @@
 #include "check_common.h"
 
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev);
+#ifdef FQ_REV_TRACE
+extern "C" void fq_rev_trace_dump(void);
+#endif
 
 
 /* ------------------------------------------------------------ random ---- */
@@ -619,6 +622,9 @@ static void one_case(int B, int T, int H, int HV)
         if (fq_cuda_chunk_bwd(&p) != FQ_OK) { printf("one: %s\n", fq_last_error()); nfail++; break; }
     CK(cudaDeviceSynchronize());
     printf("one backward %d/%d %dx%d done\n", H, HV, B, T);
+#ifdef FQ_REV_TRACE
+    fq_rev_trace_dump(); /* (a dev build with -DFQ_REV_TRACE: bwd_rev90's per-role clock trace) */
+#endif
     release(d);
 }
 
