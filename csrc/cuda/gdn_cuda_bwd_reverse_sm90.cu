@@ -62,11 +62,12 @@
 
 #include <string.h>
 
-/* registers per thread of the warpgroups S, V, W (the producer's 40: 512 in all) */
+/* registers per thread of the warpgroups P, S, V, W (512 in all) */
 #ifndef FQ_REV_REG_S
-#define FQ_REV_REG_S 168
+#define FQ_REV_REG_P 40
+#define FQ_REV_REG_S 176
 #define FQ_REV_REG_V 120
-#define FQ_REV_REG_W 184
+#define FQ_REV_REG_W 176
 #endif
 
 /* Shared memory. Tiles are 64 x 64 bf16 SWIZZLE_128B (8 KB) unless "tall"
@@ -109,7 +110,7 @@ struct fq_rev_args {
  * (chunks 0..7 of CTA 0) for fq_rev_trace_dump (dev/cuda/check_bwd.cu `one`) */
 #ifdef FQ_REV_TRACE
 __device__ long long fq_rev_tr[8][32];
-#define FQ_TR(slot) do { if (blockIdx.x == 0 && st < 8 && (threadIdx.x & 127) == (threadIdx.x < 128 && (slot) < 6 ? 32 : 0)) fq_rev_tr[st][slot] = clock64(); } while (0)
+#define FQ_TR(slot) do { if (blockIdx.x == 0 && st < 8 && (threadIdx.x & 127) == (threadIdx.x < 128 && (slot) < 6 ? ((slot) < 4 ? 32 : 96) : 0)) fq_rev_tr[st][slot] = clock64(); } while (0)
 #else
 #define FQ_TR(slot) do { } while (0)
 #endif
@@ -118,13 +119,13 @@ __device__ long long fq_rev_tr[8][32];
 /* Barrier indices (fq_rev_smem::off_bar) */
 enum {
     RB_FULL_KA = 0,     /* [2] producer (tx)                */
-    RB_CHK_KA = 2,      /* [2] checker, 96                  */
+    RB_CHK_KA = 2,      /* [2] checker (warps 1, 2), 64     */
     RB_EMPTY_KA = 4,    /* [2] S + V + W, 384               */
     RB_FULL_QO = 6,     /* producer (tx)                    */
-    RB_CHK_QO = 7,      /* checker                          */
+    RB_CHK_QO = 7,      /* checker (warps 1, 2), 64         */
     RB_EMPTY_QO = 8,    /* S + V, 256                       */
     RB_FULL_HVV = 9,    /* producer (tx)                    */
-    RB_CHK_HVV = 10,    /* checker                          */
+    RB_CHK_HVV = 10,    /* checker (warp 3), 32             */
     RB_EMPTY_HVV = 11,  /* V + W, 256                       */
     RB_DFULL = 12,      /* S: D' published, 128             */
     RB_DEMPTY = 13,     /* V + W: D' read, 256              */
@@ -225,7 +226,7 @@ __global__ void __launch_bounds__(512, 1)
     const int tid = threadIdx.x, wg = tid >> 7;
 
     if (tid == 0) {
-        const int cnt[SM::nbar] = {1, 1, 96, 96, 384, 384, 1, 96, 256, 1, 96, 256, 128, 256, 128, 128, 128, 128, 128, 128};
+        const int cnt[SM::nbar] = {1, 1, 64, 64, 384, 384, 1, 64, 256, 1, 32, 256, 128, 256, 128, 128, 128, 128, 128, 128};
         for (int b = 0; b < SM::nbar; b++) fq_mbar_init(&bar[b], cnt[b]);
         fq_mbar_init_fence();
         fq_tma_prefetch_desc(&tm_q);
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(512, 1)
 
     if (wg == 0) {
         /* ==================================================== producer ==== */
-        fq_setmaxnreg_dec40();
+        fq_setmaxnreg_dec<FQ_REV_REG_P>();
         if (tid == 0) {
             const uint32_t ka_bytes = 3 * FQ_TILE + 512, qo_bytes = (2 + (args.do_tma ? 2 : 0)) * FQ_TILE;
             const uint32_t hvv_bytes = 8 * FQ_TILE;
@@ -281,12 +282,13 @@ __global__ void __launch_bounds__(512, 1)
                     fq_tma_load_3d(smem + SM::off_v + vt * FQ_TILE, &tm_v, &bar[RB_FULL_HVV], 64 * vt, j, row);
                 }
             }
-        } else if (tid >= 32) {
-            /* checker, warps 1..3: each group final before its consumers see it. Rows
-             * past the chunk's tokens (the next sequence's, or TMA's zeros) to 0 in K,
-             * Q, dO, V: through P's, dVn's and W's structural zeros they would reach
-             * this sequence's gradients. K's non-finite elements stay (causality, as
-             * bwd_state90's: a NaN k_t reaches only token t and earlier ones, and dS
+        } else if (tid >= 32 && tid < 96) {
+            /* checker of KA and QO, warps 1..2 (HVV has warp 3: a late HVV never holds
+             * the next chunk's KA and QO): each group final before its consumers see
+             * it. Rows past the chunk's tokens (the next sequence's, or TMA's zeros) to
+             * 0 in K, Q, dO: through P's, dVn's and W's structural zeros they would
+             * reach this sequence's gradients. K's non-finite elements stay (causality,
+             * as bwd_state90's: a NaN k_t reaches only token t and earlier ones, and dS
              * through the item's flag) */
             const int tk = tid - 32;
             for (int st = 0; st < nch; st++) {
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(512, 1)
                 /* KA: the vectors first (rk for K^), then K^ = diag(rk) K, A's padding */
                 fq_mbar_wait(&bar[RB_FULL_KA + s], (st >> 1) & 1);
                 FQ_TR(0);
-                if (tk < 64) {
+                {
                     const int r = tk;
                     const bool ok = r < len;
                     const float gm = vec[SM::VG + r], gC = vec[SM::VG + 63];
@@ -313,10 +315,10 @@ __global__ void __launch_bounds__(512, 1)
                     vec[SM::VEG + r] = eg;
                     vec[SM::VRK + r] = rk;
                 }
-                fq_named_bar(3, 96); /* rk for every row */
-                fq_rev_rows(ka, 2, len, a.rk ? vec + SM::VRK : (const float *)NULL, tk, 96);
+                fq_named_bar(3, 64); /* rk for every row */
+                fq_rev_rows(ka, 2, len, a.rk ? vec + SM::VRK : (const float *)NULL, tk, 64);
                 if (len < 64) /* A's padding rows / columns -> identity */
-                    for (int idx = tk; idx < 64 * 64; idx += 96) {
+                    for (int idx = tk; idx < 64 * 64; idx += 64) {
                         const int r = idx >> 6, c = idx & 63;
                         if (r >= len || c >= len)
                             *(fq_bf16 *)(ka + 2 * FQ_TILE + fq_sw128(r, 2 * c)) = __float2bfloat16_rn(r == c ? 1.f : 0.f);
@@ -327,12 +329,12 @@ __global__ void __launch_bounds__(512, 1)
                 /* QO */
                 fq_mbar_wait(&bar[RB_FULL_QO], st & 1);
                 FQ_TR(2);
-                fq_rev_rows(smem + SM::off_q, 2, len, NULL, tk, 96);
+                fq_rev_rows(smem + SM::off_q, 2, len, NULL, tk, 64);
                 if (args.do_tma) {
-                    fq_rev_rows(smem + SM::off_do, 2, len, NULL, tk, 96);
+                    fq_rev_rows(smem + SM::off_do, 2, len, NULL, tk, 64);
                 } else {
                     /* dO (fp16, fp32, or bf16 not 16-byte aligned) -> bf16 pairs, SWIZZLE_128B */
-                    for (int idx = tk; idx < 64 * 64; idx += 96) {
+                    for (int idx = tk; idx < 64 * 64; idx += 64) {
                         const int r = idx >> 6, v = 2 * (idx & 63);
                         float x = 0.f, y = 0.f;
                         if (r < len) {
@@ -346,11 +348,17 @@ __global__ void __launch_bounds__(512, 1)
                 fq_fence_async_smem();
                 fq_mbar_arrive(&bar[RB_CHK_QO]);
                 FQ_TR(3);
-                /* HVV: V's rows past len to 0 and its non-finite elements to 0 (causality, as bwd_wy's) */
+            }
+        } else if (tid >= 96) {
+            /* checker of HVV, warp 3: V's rows past len to 0 and its non-finite elements
+             * to 0 (causality, as bwd_wy's) */
+            const int tk = tid - 96;
+            for (int st = 0; st < nch; st++) {
+                const int i = nch - 1 - st, len = min(64, slen - 64 * i);
                 fq_mbar_wait(&bar[RB_FULL_HVV], st & 1);
                 FQ_TR(4);
-                fq_rev_rows(smem + SM::off_v, 2, len, NULL, tk, 96);
-                for (int idx = tk; idx < 2 * 64 * 8; idx += 96)
+                fq_rev_rows(smem + SM::off_v, 2, len, NULL, tk, 32);
+                for (int idx = tk; idx < 2 * 64 * 8; idx += 32)
                     fq_zero_nonfinite8((uint4 *)(smem + SM::off_v + (idx >> 9) * FQ_TILE + ((idx >> 3) & 63) * 128 + (idx & 7) * 16));
                 fq_fence_async_smem();
                 fq_mbar_arrive(&bar[RB_CHK_HVV]);
@@ -416,20 +424,23 @@ __global__ void __launch_bounds__(512, 1)
             fq_mbar_wait(&bar[RB_CHK_QO], st & 1);
             const uint64_t dqm = fq_dmn(smem + SM::off_q);
 #pragma unroll
-            for (int mh = 0; mh < 2; mh++) {
-                uint32_t qa[4][4];
+            for (int mh = 0; mh < 2; mh++)
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    fq_rev_dot_frag(qa[kk], smem + SM::off_do + mh * FQ_TILE, kk, w, lane);
-                    fq_rev_frag_scale(qa[kk], vec + SM::VQG, kk, t);
+                for (int k2 = 0; k2 < 4; k2 += 2) { /* (two K-steps a group: 8 A registers in flight, not 16) */
+                    uint32_t qa[2][4];
+#pragma unroll
+                    for (int kk = 0; kk < 2; kk++) {
+                        fq_rev_dot_frag(qa[kk], smem + SM::off_do + mh * FQ_TILE, k2 + kk, w, lane);
+                        fq_rev_frag_scale(qa[kk], vec + SM::VQG, k2 + kk, t);
+                    }
+                    fq_wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < 2; kk++)
+                        fq_wgmma_rs_n128<1, 0>(acc[mh], qa[kk], fq_desc_at(dqm, 2048 * (k2 + kk)), 1);
+                    fq_wgmma_commit();
+                    fq_wgmma_wait<0>();
+                    fq_reg_fence(acc[mh]);
                 }
-                fq_wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) fq_wgmma_rs_n128<1, 0>(acc[mh], qa[kk], fq_desc_at(dqm, 2048 * kk), 1);
-                fq_wgmma_commit();
-                fq_wgmma_wait<0>();
-                fq_reg_fence(acc[mh]);
-            }
             fq_mbar_arrive(&bar[RB_EMPTY_QO]);
             FQ_TR(8);
             /* dS^T -= Z'^T K^ (Z'^T [v][c] K-major, K^ [c][kd] MN-major) */
@@ -712,20 +723,24 @@ __global__ void __launch_bounds__(512, 1)
             }
             fq_wgmma_commit();
             /* <S, dS'> (h [kd][v] by tall tiles of v, D' [v][kd] by tall tiles of kd) meanwhile */
+            /* (thread tw owns row kd = tw of h and column kd of D': h's 16-byte pieces come
+             * from 32 rows a warp, D''s elements from one row, no bank conflicts) */
             float sdot = 0.f;
+            {
+                const int kd = tw;
+                const unsigned char *hrow = sH + kd * 128, *dcol = sD + (kd >> 6) * 2 * FQ_TILE;
 #pragma unroll 1
-            for (int idx = tw; idx < 2 * 128 * 8; idx += 128) {
-                const int vt = idx >> 10, kd = (idx >> 3) & 127, p = idx & 7;
-                const uint4 hv = *(const uint4 *)(sH + vt * 2 * FQ_TILE + kd * 128 + 16 * p);
-                const uint32_t *hs = (const uint32_t *)&hv;
-                const int v0 = 64 * vt + 8 * (p ^ (kd & 7));
-                const unsigned char *dcol = sD + (kd >> 6) * 2 * FQ_TILE;
+                for (int cc = 0; cc < 16; cc++) {
+                    const int vt = cc >> 3, c = cc & 7, v0 = 64 * vt + 8 * c;
+                    const uint4 hv = *(const uint4 *)(hrow + vt * 2 * FQ_TILE + 16 * (c ^ (kd & 7)));
+                    const uint32_t *hs = (const uint32_t *)&hv;
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float2 hh = fq_unpack_bf16(hs[q]);
-                    const float d0 = fq_bf(*(const fq_bf16 *)(dcol + fq_sw128(v0 + 2 * q, 2 * (kd & 63))));
-                    const float d1 = fq_bf(*(const fq_bf16 *)(dcol + fq_sw128(v0 + 2 * q + 1, 2 * (kd & 63))));
-                    sdot += hh.x * d0 + hh.y * d1;
+                    for (int q = 0; q < 4; q++) {
+                        const float2 hh = fq_unpack_bf16(hs[q]);
+                        const float d0 = fq_bf(*(const fq_bf16 *)(dcol + fq_sw128(v0 + 2 * q, 2 * (kd & 63))));
+                        const float d1 = fq_bf(*(const fq_bf16 *)(dcol + fq_sw128(v0 + 2 * q + 1, 2 * (kd & 63))));
+                        sdot += hh.x * d0 + hh.y * d1;
+                    }
                 }
             }
             fq_wgmma_wait<0>();
