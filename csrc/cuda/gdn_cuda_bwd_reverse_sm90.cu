@@ -41,10 +41,10 @@
  *        where no TMA, the row vectors) before the consumers see it.
  *   S (168): the chain. Publishes D' = bf16(dS'^T) [v][kd], then dS^T =
  *        e^{gamma_C} dS'^T + (dO^T diag(qg)) Q (A from registers) - Z'^T K^
- *        (both from shared memory), dS^T as two m64n128 accumulator sets.
+ *        (both from shared memory, MN-major), dS^T as two m64n128 accumulator sets.
  *   V (120): P, then X^T = D' K^^T (m64n64 per half of v), dVn^T = X^T diag(m)
- *        + dO^T P, dVn^T to shared memory for W, Z^T = dVn^T A (A from
- *        registers), Z'^T for S; then dv and V's part of dbeta.
+ *        + dO^T P, dVn^T to shared memory (for W too), Z = A^T dVn (both from
+ *        shared memory), Z' for S; then dv and V's part of dbeta by rows of Z.
  *   W (184): the WY products F1, dW, F2, dA, M1, M2, K^ K^T, Gl K^, Gl^T K^,
  *        dK out, dg and dbeta; one chunk behind S and V at most.
  * Hand-overs are mbarriers, each completing once per chunk (parity = the
@@ -82,7 +82,7 @@ struct fq_rev_smem {
     static constexpr int off_v = off_vn + 2 * FQ_TILE;       /* V [s][v] (non-finite -> 0)                */
     static constexpr int off_d = off_v + 2 * FQ_TILE;        /* D' = dS'^T [v][kd]: 2 tall tiles by kd    */
     static constexpr int off_dvn = off_d + 4 * FQ_TILE;      /* dVn^T [v][r], 2 tiles by v half (W's copy) */
-    static constexpr int off_z = off_dvn + 2 * FQ_TILE;      /* Z'^T [v][c], 2 tiles; tile 0 first P [r][s] */
+    static constexpr int off_z = off_dvn + 2 * FQ_TILE;      /* Z' [c][v], 2 tiles; tile 0 first P [r][s] */
     static constexpr int off_da = off_z + 2 * FQ_TILE;       /* dA^T [s][r], then Gl [r][s] (W)           */
     static constexpr int off_vec = off_da + FQ_TILE;
     /* per KA stage: gamma, bwd_local's dgamma (bulk copies), m, qg, pq = scale rq, beta, bg, eg = e^gamma, rk */
@@ -131,11 +131,29 @@ enum {
     RB_DEMPTY = 13,     /* V + W: D' read, 256              */
     RB_VFULL = 14,      /* V: dVn^T stored, 128             */
     RB_VEMPTY = 15,     /* W: dVn^T read, 128               */
-    RB_ZFULL = 16,      /* V: Z'^T stored, 128              */
-    RB_ZEMPTY = 17,     /* S: Z'^T read, 128                */
+    RB_ZFULL = 16,      /* V: Z' stored, 128                */
+    RB_ZEMPTY = 17,     /* S: Z' read, 128                  */
     RB_VRFULL = 18,     /* V: its dbeta slots written, 128  */
     RB_VREMPTY = 19     /* W: those slots read, 128         */
 };
+
+/* mbarrier wait with a suspend-time hint (as CUTLASS's ClusterBarrier::wait): the
+ * waiting warp sleeps until the phase completes instead of re-issuing try_wait, so
+ * the roles that wait leave the issue slots and the MIO pipe to the ones that work */
+static __device__ __forceinline__ void fq_rev_wait(uint64_t *bar, uint32_t parity)
+{
+#ifdef FQ_REV_WAIT_SPIN
+    fq_mbar_wait(bar, parity);
+#else
+    asm volatile(
+        "{\n.reg .pred ok;\n"
+        "FQ_REV_WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ok, [%0], %1, %2;\n"
+        "@!ok bra FQ_REV_WAIT_%=;\n}\n" ::"r"(fq_smem_u32(bar)),
+        "r"(parity), "r"(0x989680)
+        : "memory");
+#endif
+}
 
 /* bar.red.or over a named barrier: 1 if any of the n threads passes pred != 0 */
 static __device__ __forceinline__ int fq_rev_bar_or(int id, int n, int pred)
@@ -253,7 +271,7 @@ __global__ void __launch_bounds__(512, 1)
                 const int i = nch - 1 - st, s = st & 1;
                 const int row = bos + 64 * i, tile = (chunk0 + i) * HV + j;
                 /* KA (two stages) */
-                if (st >= 2) fq_mbar_wait(&bar[RB_EMPTY_KA + s], ((st >> 1) - 1) & 1);
+                if (st >= 2) fq_rev_wait(&bar[RB_EMPTY_KA + s], ((st >> 1) - 1) & 1);
                 unsigned char *ka = smem + SM::off_ka + s * SM::KA;
                 float *vec = (float *)(smem + SM::off_vec) + s * SM::vec_floats;
                 uint64_t *fk = &bar[RB_FULL_KA + s];
@@ -264,7 +282,7 @@ __global__ void __launch_bounds__(512, 1)
                 FQ_TR(26);
                 for (int kt = 0; kt < 2; kt++) fq_tma_load_3d(ka + kt * FQ_TILE, &tm_k, fk, 64 * kt, hq, row);
                 /* QO */
-                if (st >= 1) fq_mbar_wait(&bar[RB_EMPTY_QO], (st - 1) & 1);
+                if (st >= 1) fq_rev_wait(&bar[RB_EMPTY_QO], (st - 1) & 1);
                 fq_mbar_arrive_tx(&bar[RB_FULL_QO], qo_bytes);
                 FQ_TR(27);
                 for (int kt = 0; kt < 2; kt++) {
@@ -273,7 +291,7 @@ __global__ void __launch_bounds__(512, 1)
                         fq_tma_load_3d(smem + SM::off_do + kt * FQ_TILE, &tm_do, &bar[RB_FULL_QO], 64 * kt, j, row);
                 }
                 /* HVV */
-                if (st >= 1) fq_mbar_wait(&bar[RB_EMPTY_HVV], (st - 1) & 1);
+                if (st >= 1) fq_rev_wait(&bar[RB_EMPTY_HVV], (st - 1) & 1);
                 fq_mbar_arrive_tx(&bar[RB_FULL_HVV], hvv_bytes);
                 FQ_TR(28);
                 for (int vt = 0; vt < 2; vt++) {
@@ -297,7 +315,7 @@ __global__ void __launch_bounds__(512, 1)
                 unsigned char *ka = smem + SM::off_ka + s * SM::KA;
                 float *vec = (float *)(smem + SM::off_vec) + s * SM::vec_floats;
                 /* KA: the vectors first (rk for K^), then K^ = diag(rk) K, A's padding */
-                fq_mbar_wait(&bar[RB_FULL_KA + s], (st >> 1) & 1);
+                fq_rev_wait(&bar[RB_FULL_KA + s], (st >> 1) & 1);
                 FQ_TR(0);
                 {
                     const int r = tk;
@@ -327,7 +345,7 @@ __global__ void __launch_bounds__(512, 1)
                 fq_mbar_arrive(&bar[RB_CHK_KA + s]);
                 FQ_TR(1);
                 /* QO */
-                fq_mbar_wait(&bar[RB_FULL_QO], st & 1);
+                fq_rev_wait(&bar[RB_FULL_QO], st & 1);
                 FQ_TR(2);
                 fq_rev_rows(smem + SM::off_q, 2, len, NULL, tk, 64);
                 if (args.do_tma) {
@@ -355,7 +373,7 @@ __global__ void __launch_bounds__(512, 1)
             const int tk = tid - 96;
             for (int st = 0; st < nch; st++) {
                 const int i = nch - 1 - st, len = min(64, slen - 64 * i);
-                fq_mbar_wait(&bar[RB_FULL_HVV], st & 1);
+                fq_rev_wait(&bar[RB_FULL_HVV], st & 1);
                 FQ_TR(4);
                 fq_rev_rows(smem + SM::off_v, 2, len, NULL, tk, 32);
                 for (int idx = tk; idx < 2 * 64 * 8; idx += 32)
@@ -400,7 +418,7 @@ __global__ void __launch_bounds__(512, 1)
             const unsigned char *ka = smem + SM::off_ka + s * SM::KA;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
             /* publish D' = bf16(dS'^T) [v][kd]: tall tile kd / 64, row v */
-            if (st >= 1) fq_mbar_wait(&bar[RB_DEMPTY], (st - 1) & 1);
+            if (st >= 1) fq_rev_wait(&bar[RB_DEMPTY], (st - 1) & 1);
             FQ_TR(6);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
@@ -415,13 +433,13 @@ __global__ void __launch_bounds__(512, 1)
             fq_mbar_arrive(&bar[RB_DFULL]);
             FQ_TR(7);
             /* dS^T = e^{gamma_C} dS'^T + (dO^T diag(qg)) Q */
-            fq_mbar_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+            fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
             const float eC = __expf(vec[SM::VG + 63]);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
 #pragma unroll
                 for (int e = 0; e < 64; e++) acc[mh][e] *= eC;
-            fq_mbar_wait(&bar[RB_CHK_QO], st & 1);
+            fq_rev_wait(&bar[RB_CHK_QO], st & 1);
             const uint64_t dqm = fq_dmn(smem + SM::off_q);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
@@ -443,17 +461,17 @@ __global__ void __launch_bounds__(512, 1)
                 }
             fq_mbar_arrive(&bar[RB_EMPTY_QO]);
             FQ_TR(8);
-            /* dS^T -= Z'^T K^ (Z'^T [v][c] K-major, K^ [c][kd] MN-major) */
-            fq_mbar_wait(&bar[RB_ZFULL], st & 1);
+            /* dS^T -= Z'^T K^ (Z' [c][v] and K^ [c][kd] both MN-major) */
+            fq_rev_wait(&bar[RB_ZFULL], st & 1);
             FQ_TR(9);
             const uint64_t dkn = fq_dmn(ka);
             fq_wgmma_fence();
 #pragma unroll
             for (int mh = 0; mh < 2; mh++) {
-                const uint64_t dz = fq_dkm(smem + SM::off_z + mh * FQ_TILE);
+                const uint64_t dz = fq_dmn(smem + SM::off_z + mh * FQ_TILE);
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++)
-                    fq_wgmma_ss_n128<0, 1, 1>(acc[mh], fq_desc_at(dz, 32 * kk), fq_desc_at(dkn, 2048 * kk), 1);
+                    fq_wgmma_ss_n128<1, 1, 1>(acc[mh], fq_desc_at(dz, 2048 * kk), fq_desc_at(dkn, 2048 * kk), 1);
             }
             fq_wgmma_commit();
             fq_wgmma_wait<0>();
@@ -487,8 +505,8 @@ __global__ void __launch_bounds__(512, 1)
             const int len = min(64, slen - 64 * i), row0 = bos + 64 * i, tile = (chunk0 + i) * HV + j;
             const unsigned char *ka = smem + SM::off_ka + s * SM::KA;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
-            fq_mbar_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
-            fq_mbar_wait(&bar[RB_CHK_QO], st & 1);
+            fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+            fq_rev_wait(&bar[RB_CHK_QO], st & 1);
             FQ_TR(11);
             /* P = lower_incl(Q K^^T ⊙ Gamma) diag(pq) (rows r: pq_r = scale rq_r), by selects */
             {
@@ -512,7 +530,7 @@ __global__ void __launch_bounds__(512, 1)
                         const float x = pacc[4 * nb + e] * pr[h] * __expf(gr[h] - vec[SM::VG + c]);
                         pacc[4 * nb + e] = c <= r ? x : 0.f;
                     }
-                if (st >= 1) fq_mbar_wait(&bar[RB_ZEMPTY], (st - 1) & 1); /* S done with Z'^T (P's tile) */
+                if (st >= 1) fq_rev_wait(&bar[RB_ZEMPTY], (st - 1) & 1); /* S done with Z' (P's tile) */
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
                     uint32_t pf[4];
@@ -525,7 +543,7 @@ __global__ void __launch_bounds__(512, 1)
             }
             /* X^T = D' K^^T per half of v (D' [v][kd] and K^ [r][kd] K-major) */
             float x[2][32];
-            fq_mbar_wait(&bar[RB_DFULL], st & 1);
+            fq_rev_wait(&bar[RB_DFULL], st & 1);
             FQ_TR(13);
             {
                 const uint64_t dk = fq_dkm(ka);
@@ -575,11 +593,11 @@ __global__ void __launch_bounds__(512, 1)
                 }
             }
             fq_mbar_arrive(&bar[RB_EMPTY_QO]);
-            /* dVn^T (bf16, raw) to its tiles [v][r]; Z^T = dVn^T A from there (dVn^T K-major,
-             * A [r][c] MN-major); then W's copy: the non-finite elements to 0 in place unless
-             * gamma_C is not finite (causality, as bwd_wy's dVn; rare), the chain's Z raw */
+            /* dVn^T (bf16, raw) to its tiles [v][r]; Z from there (below); then W's copy: the
+             * non-finite elements to 0 in place unless gamma_C is not finite (causality, as
+             * bwd_wy's dVn; rare), the chain's Z raw */
             int bad = 0;
-            if (st >= 1) fq_mbar_wait(&bar[RB_VEMPTY], (st - 1) & 1);
+            if (st >= 1) fq_rev_wait(&bar[RB_VEMPTY], (st - 1) & 1);
             FQ_TR(15);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
@@ -593,22 +611,17 @@ __global__ void __launch_bounds__(512, 1)
                 }
             fq_fence_async_smem();
             fq_named_bar(1, 128);
-            float z[2][32];
-            {
-                const uint64_t dam = fq_dmn(ka + 2 * FQ_TILE);
-                fq_wgmma_fence();
+            /* Z = A^T dVn [c][v] (A [r][c] MN-major; dVn^T's two tiles, 128 rows v, as a
+             * K-major B): row c = 16 w + g + 8 h, column v = 8 nb + 2 t + e */
+            float z[64];
+            const uint64_t dam = fq_dmn(ka + 2 * FQ_TILE), dvb = fq_dkm(sDvn);
+            fq_wgmma_fence();
 #pragma unroll
-                for (int mh = 0; mh < 2; mh++) {
-                    const uint64_t dvt = fq_dkm(sDvn + mh * FQ_TILE);
-#pragma unroll
-                    for (int kk = 0; kk < 4; kk++)
-                        fq_wgmma_ss_n64<0, 1>(z[mh], fq_desc_at(dvt, 32 * kk), fq_desc_at(dam, 2048 * kk), kk > 0);
-                }
-                fq_wgmma_commit();
-                fq_wgmma_wait<0>();
-                fq_reg_fence(z[0]);
-                fq_reg_fence(z[1]);
-            }
+            for (int kk = 0; kk < 4; kk++)
+                fq_wgmma_ss_n128<1, 0, 0>(z, fq_desc_at(dam, 2048 * kk), fq_desc_at(dvb, 32 * kk), kk > 0);
+            fq_wgmma_commit();
+            fq_wgmma_wait<0>();
+            fq_reg_fence(z);
             const float gCv = vec[SM::VG + 63];
             const int zero_w = isfinite(gCv), fix = fq_rev_bar_or(1, 128, bad) && zero_w;
             if (fix) {
@@ -619,76 +632,59 @@ __global__ void __launch_bounds__(512, 1)
             }
             fq_mbar_arrive(&bar[RB_VFULL]);
             FQ_TR(16);
-            /* Z'^T = Z^T diag(bg) bf16 -> S (NaN where stage A flagged the item: W's rows
-             * there are NaN, and so was its update) */
+            /* Z' = diag(bg) Z bf16 [c][v] (tiles by half of v) -> S (NaN where stage A
+             * flagged the item: W's rows there are NaN, and so was its update) */
             const int pois = a.aflag[tile];
+            const int c0 = 16 * w + g;
+            {
+                const float b0 = vec[SM::VBG + c0], b1 = vec[SM::VBG + c0 + 8];
 #pragma unroll
-            for (int mh = 0; mh < 2; mh++)
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    uint32_t y[4];
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        /* pair q: block 2 kk + (q >> 1), rows + 8 (q & 1); columns c, c + 1 */
-                        const int nb = 2 * kk + (q >> 1), e0 = 4 * nb + 2 * (q & 1);
-                        const float2 f = *(const float2 *)(vec + SM::VBG + 8 * nb + 2 * t);
-                        y[q] = pois ? 0x7fc07fc0u : fq_pack_bf16(z[mh][e0] * f.x, z[mh][e0 + 1] * f.y);
-                    }
-                    fq_stsm_pairs(sZ + mh * FQ_TILE, w, 2 * kk, y[0], y[1], y[2], y[3]);
+                for (int nb2 = 0; nb2 < 8; nb2++) {
+                    const float *d8 = &z[8 * nb2];
+                    uint32_t y0 = fq_pack_bf16(d8[0] * b0, d8[1] * b0), y1 = fq_pack_bf16(d8[2] * b1, d8[3] * b1);
+                    uint32_t y2 = fq_pack_bf16(d8[4] * b0, d8[5] * b0), y3 = fq_pack_bf16(d8[6] * b1, d8[7] * b1);
+                    if (pois) y0 = y1 = y2 = y3 = 0x7fc07fc0u;
+                    fq_stsm_pairs(sZ + (nb2 >> 2) * FQ_TILE, w, (2 * nb2) & 7, y0, y1, y2, y3);
                 }
+            }
             fq_fence_async_smem();
             fq_mbar_arrive(&bar[RB_ZFULL]);
             FQ_TR(17);
             /* dv = diag(beta) Z and V's part of dbeta, rowsum(Z ⊙ V), from the zeroed dVn
              * where that differs (rare: a non-finite dVn element and a finite gamma_C) */
             if (fix) {
-                const uint64_t dam = fq_dmn(ka + 2 * FQ_TILE);
                 fq_wgmma_fence();
 #pragma unroll
-                for (int mh = 0; mh < 2; mh++) {
-                    const uint64_t dvt = fq_dkm(sDvn + mh * FQ_TILE);
-#pragma unroll
-                    for (int kk = 0; kk < 4; kk++)
-                        fq_wgmma_ss_n64<0, 1>(z[mh], fq_desc_at(dvt, 32 * kk), fq_desc_at(dam, 2048 * kk), kk > 0);
-                }
+                for (int kk = 0; kk < 4; kk++)
+                    fq_wgmma_ss_n128<1, 0, 0>(z, fq_desc_at(dam, 2048 * kk), fq_desc_at(dvb, 32 * kk), kk > 0);
                 fq_wgmma_commit();
                 fq_wgmma_wait<0>();
-                fq_reg_fence(z[0]);
-                fq_reg_fence(z[1]);
+                fq_reg_fence(z);
             }
-            fq_mbar_wait(&bar[RB_CHK_HVV], st & 1);
-            float pd[8][2];
+            fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
+            float xv[2] = {0.f, 0.f};
 #pragma unroll
-            for (int nb = 0; nb < 8; nb++) pd[nb][0] = pd[nb][1] = 0.f;
+            for (int h = 0; h < 2; h++) {
+                const int c = c0 + 8 * h;
+                const float bc = vec[SM::VB + c];
+                const int64_t o = ((int64_t)(row0 + c) * HV + j) * V + 2 * t;
 #pragma unroll
-            for (int mh = 0; mh < 2; mh++)
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int vl = 16 * w + g + 8 * (e >> 1), c = 8 * nb + 2 * t + (e & 1);
-                        const float zz = z[mh][4 * nb + e];
-                        const float vv = fq_bf(*(const fq_bf16 *)(smem + SM::off_v + mh * FQ_TILE + fq_sw128(c, 2 * vl)));
-                        pd[nb][e & 1] += zz * vv;
-                        if (c < len) fq_st_f(a.dv, a.dt, ((int64_t)(row0 + c) * HV + j) * V + 64 * mh + vl, vec[SM::VB + c] * zz);
-                    }
-            fq_mbar_arrive(&bar[RB_EMPTY_HVV]);
-#pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                for (int e2 = 0; e2 < 2; e2++) {
-                    float y = pd[nb][e2];
-                    y += __shfl_xor_sync(0xffffffffu, y, 4);
-                    y += __shfl_xor_sync(0xffffffffu, y, 8);
-                    y += __shfl_xor_sync(0xffffffffu, y, 16);
-                    pd[nb][e2] = y;
+                for (int nb = 0; nb < 16; nb++) {
+                    const float z0 = z[4 * nb + 2 * h], z1 = z[4 * nb + 2 * h + 1];
+                    const float2 vv = fq_unpack_bf16(*fq_tile_pair(smem + SM::off_v + (nb >> 3) * FQ_TILE, c, 8 * (nb & 7) + 2 * t));
+                    xv[h] += z0 * vv.x + z1 * vv.y;
+#ifndef FQ_REV_DIAG_NOSTORE /* (dev: timing without the dv and dK stores; results wrong) */
+                    if (c < len) fq_st_f2(a.dv, a.dt, o + 8 * nb, bc * z0, bc * z1);
+#endif
                 }
-            if (st >= 1) fq_mbar_wait(&bar[RB_VREMPTY], (st - 1) & 1);
-            if (g == 0)
-#pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-                    for (int e2 = 0; e2 < 2; e2++) vdb[64 * w + 8 * nb + 2 * t + e2] = pd[nb][e2];
+            }
+            fq_mbar_arrive(&bar[RB_EMPTY_HVV]);
+            const float xv0 = fq_quad_sum(xv[0]), xv1 = fq_quad_sum(xv[1]);
+            if (st >= 1) fq_rev_wait(&bar[RB_VREMPTY], (st - 1) & 1);
+            if (t == 0) {
+                vdb[c0] = xv0;
+                vdb[c0 + 8] = xv1;
+            }
             fq_mbar_arrive(&bar[RB_VRFULL]);
             FQ_TR(18);
             fq_mbar_arrive(&bar[RB_EMPTY_KA + s]);
@@ -707,9 +703,9 @@ __global__ void __launch_bounds__(512, 1)
             unsigned char *ka = smem + SM::off_ka + s * SM::KA;
             const unsigned char *sK = ka, *sA = ka + 2 * FQ_TILE;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
-            fq_mbar_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
-            fq_mbar_wait(&bar[RB_CHK_HVV], st & 1);
-            fq_mbar_wait(&bar[RB_DFULL], st & 1);
+            fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+            fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
+            fq_rev_wait(&bar[RB_DFULL], st & 1);
             FQ_TR(19);
             /* F1 = Vn D'^T = Vn dS'^T [r][kd] (Vn K-major; D' [v][kd] MN-major, N = kd over
              * the two tall tiles) */
@@ -782,7 +778,7 @@ __global__ void __launch_bounds__(512, 1)
                 }
             }
             /* dW = -dVn S^T [r][kd] (dVn^T [v][r] MN-major; h [kd][v] K-major, N = kd 128 rows) */
-            fq_mbar_wait(&bar[RB_VFULL], st & 1);
+            fq_rev_wait(&bar[RB_VFULL], st & 1);
             FQ_TR(21);
             fq_wgmma_fence();
             {
@@ -968,10 +964,10 @@ __global__ void __launch_bounds__(512, 1)
             fq_wgmma_commit();
             /* dg = reverse cumsum of dgamma, dbeta (warp 0) meanwhile; V's dbeta slots summed
              * into sdbp's second half first */
-            fq_mbar_wait(&bar[RB_VRFULL], st & 1);
+            fq_rev_wait(&bar[RB_VRFULL], st & 1);
             FQ_TR(24);
             if (w == 0) {
-                for (int r = lane; r < 64; r += 32) sdbp[64 + r] = vdb[r] + vdb[64 + r] + vdb[128 + r] + vdb[192 + r];
+                for (int r = lane; r < 64; r += 32) sdbp[64 + r] = vdb[r];
                 __syncwarp();
                 fq_bwd_dg_dbeta(a, vec + SM::VDG, sdgp, scz, sdbp, sred, vec[SM::VG + 63], len, row0, j, lane);
             }
@@ -987,9 +983,13 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int r = 16 * w + g + 8 * h;
+#ifndef FQ_REV_DIAG_NOSTORE
                     if (r < len)
                         *(float2 *)(a.dkw + ((int64_t)(row0 + r) * HV + j) * K + 8 * nb + 2 * t) =
                             make_float2(dK[4 * nb + 2 * h], dK[4 * nb + 2 * h + 1]);
+#else
+                    if (r < len && dK[4 * nb + 2 * h] == 1234.5f) a.dkw[0] = dK[4 * nb + 2 * h + 1];
+#endif
                 }
         }
     }

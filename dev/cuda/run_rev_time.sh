@@ -1,7 +1,8 @@
 #!/bin/bash
-# dev/cuda/run_rev_time.sh: B's full check, then the timings of every carried
-# check_bwd_[a-z] (A = the baseline), then `one 8 4096 16 32` of each traced
-# build (check_bwd_t*, built with -DFQ_REV_TRACE: bwd_rev90's per-role clock trace).
+# dev/cuda/run_rev_time.sh: the full check of check_bwd_$FQ_FULL (default b), then the
+# timings of every carried check_bwd_[a-s] (A = the baseline), then `one 8 4096 16 32` of
+# each traced build (check_bwd_t*, built with -DFQ_REV_TRACE: bwd_rev90's per-role clock
+# trace); FQ_SAN=1: compute-sanitizer memcheck + racecheck of FQ_FULL's small cases.
 set -u
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/../.." || exit 1
@@ -23,6 +24,10 @@ for x in $(ls $BIN | grep -E '^check_bwd_t[a-z]*$'); do
     echo "=== $x: trace"
     timeout 60 $BIN/$x one 8 4096 16 32 2>&1 | tail -9
 done
+if [ -n "${FQ_SAN:-}" ]; then
+    echo "=== ${FQ_FULL:-b} memcheck and racecheck, small"
+    fq_sanitize_pair "$OUTDIR/san" 100 $BIN/check_bwd_${FQ_FULL:-b} small small
+fi
 echo "=== per row (ms): total rec loc st wy at $(( $(date +%s) - T0 )) s"
 for f in check_b $(cd $OUTDIR && ls time_*.log | sed 's/.log$//'); do
     echo "--- $f"; sed -n '/^shape /,/^$/p' $OUTDIR/$f.log | grep -v "^$" | head -7
