@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(512, 1)
                         *(uint32_t *)(smem + SM::off_do + (v >> 6) * FQ_TILE + fq_sw128(r, 2 * (v & 63))) = fq_pack_bf16(x, y);
                     }
                 }
-                fq_fence_async_smem();
+                if (len < 64 || !args.do_tma) fq_fence_async_smem(); /* (a full chunk by TMA: nothing written) */
                 fq_mbar_arrive(&bar[RB_CHK_QO]);
                 FQ_TR(3);
             }
@@ -375,10 +375,16 @@ __global__ void __launch_bounds__(512, 1)
                 const int i = nch - 1 - st, len = min(64, slen - 64 * i);
                 fq_rev_wait(&bar[RB_FULL_HVV], st & 1);
                 FQ_TR(4);
+                int wrote = len < 64;
                 fq_rev_rows(smem + SM::off_v, 2, len, NULL, tk, 32);
-                for (int idx = tk; idx < 2 * 64 * 8; idx += 32)
-                    fq_zero_nonfinite8((uint4 *)(smem + SM::off_v + (idx >> 9) * FQ_TILE + ((idx >> 3) & 63) * 128 + (idx & 7) * 16));
-                fq_fence_async_smem();
+                for (int idx = tk; idx < 2 * 64 * 8; idx += 32) {
+                    uint4 *pp = (uint4 *)(smem + SM::off_v + (idx >> 9) * FQ_TILE + ((idx >> 3) & 63) * 128 + (idx & 7) * 16);
+                    if (fq_bf16x8_nonfinite(*pp)) {
+                        fq_zero_nonfinite8(pp);
+                        wrote = 1;
+                    }
+                }
+                if (wrote) fq_fence_async_smem(); /* (only a thread that wrote: rare but for partial chunks) */
                 fq_mbar_arrive(&bar[RB_CHK_HVV]);
                 FQ_TR(5);
             }
