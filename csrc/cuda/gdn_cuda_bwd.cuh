@@ -314,6 +314,10 @@ fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64
  * columns). nc: the chunk-table bound (the workspace's per-chunk arrays). */
 fq_status fq_bwd_state90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
                                 cudaStream_t stream);
+/* The q, k, A, dO tensor maps that bwd_state90 and bwd_rev90 share (m[0..3];
+ * gdn_cuda_bwd_state_sm90.cu; CUtensorMap from <cuda.h>, through gdn_cuda_hopper.cuh). */
+struct CUtensorMap_st;
+fq_status fq_bwd_tmaps_qkado(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, struct CUtensorMap_st *m);
 /* Its MAP pass over segws's segments and the reverse combine only (the start
  * dS E_s of every split sequence's segments in segws->ss), for bwd_rev90. */
 fq_status fq_bwd_state90_map(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,

@@ -1053,28 +1053,18 @@ fq_status fq_bwd_rev90_launch(const fq_gdn_params *p, const fq_bwd_args &a, cons
     if (p->N <= 0) return FQ_OK;
     if (p->K != 128 || p->V != 128)
         return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_rev90_launch: K = V = 128 only (got %d, %d)", (int)p->K, (int)p->V);
-    const uint64_t K = 128, V = 128, H = (uint64_t)p->H, HV = (uint64_t)p->HV;
+    const uint64_t K = 128, V = 128, HV = (uint64_t)p->HV;
     const uint64_t rows = p->B * p->T > 0 ? (uint64_t)(p->B * p->T) : 1;
     const uint64_t tiles = nc * p->HV > 0 ? (uint64_t)(nc * p->HV) : 1;
-    /* q, k [rows][H][K], dO and V [rows][HV][V]: boxes of 64 columns x 64 rows; A
-     * [tiles][64][64]; h [tiles][K][V] (64 columns x K rows: one tall tile); Vn
-     * [tiles][64][V] */
-    const uint64_t dqk[3] = {K, H, rows}, sqk[2] = {K * 2, H * K * 2};
+    /* q, k, A, dO (fq_bwd_tmaps_qkado); h [tiles][K][V] (64 columns x K rows: one tall
+     * tile); Vn [tiles][64][V]; V [rows][HV][V] (64 columns x 64 rows) */
     const uint64_t dvv[3] = {V, HV, rows}, svv[2] = {V * 2, HV * V * 2};
-    const uint64_t dam[3] = {64, 64, tiles}, sam[2] = {64 * 2, 64 * 64 * 2};
     const uint64_t dh[3] = {V, K, tiles}, sh[2] = {V * 2, K * V * 2};
     const uint64_t dvn[3] = {V, 64, tiles}, svn[2] = {V * 2, 64 * V * 2};
     const uint32_t brow[3] = {64, 1, 64}, btile[3] = {64, 64, 1}, bh[3] = {64, (uint32_t)K, 1};
     CUtensorMap m[7];
-    fq_status st;
-    if ((st = fq_tmap(&m[0], a.qb, 3, dqk, sqk, brow)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m[1], a.kb, 3, dqk, sqk, brow)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m[2], a.a, 3, dam, sam, btile)) != FQ_OK) return st;
-    if (a.dout_async) {
-        if ((st = fq_tmap(&m[3], a.dout, 3, dvv, svv, brow)) != FQ_OK) return st;
-    } else {
-        m[3] = m[0]; /* unused: the checker converts dO */
-    }
+    fq_status st = fq_bwd_tmaps_qkado(p, a, nc, m);
+    if (st != FQ_OK) return st;
     if ((st = fq_tmap(&m[4], a.h, 3, dh, sh, bh)) != FQ_OK) return st;
     if ((st = fq_tmap(&m[5], a.vn, 3, dvn, svn, btile)) != FQ_OK) return st;
     if ((st = fq_tmap(&m[6], a.vb, 3, dvv, svv, brow)) != FQ_OK) return st;

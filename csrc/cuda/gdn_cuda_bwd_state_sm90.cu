@@ -571,34 +571,44 @@ static fq_status fq_bwd_state90_pass(const CUtensorMap (&m)[6], const fq_bst_arg
                        m[2], m[3], m[4], m[5], args);
 }
 
+/* The tensor maps of q, k ([rows][H][K] bf16), A ([tiles][64][64]) and dO
+ * ([rows][HV][V]; m[3] = m[0], unused, where dO goes through the checker) as
+ * m[0..3]: boxes of 64 columns x 64 rows (A: one 64 x 64 tile), SWIZZLE_128B;
+ * bwd_state90's and bwd_rev90's common four (K = V = 128). */
+fq_status fq_bwd_tmaps_qkado(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, CUtensorMap *m)
+{
+    const uint64_t K = 128, V = 128, H = (uint64_t)p->H, HV = (uint64_t)p->HV;
+    const uint64_t rows = p->B * p->T > 0 ? (uint64_t)(p->B * p->T) : 1;
+    const uint64_t tiles = nc * p->HV > 0 ? (uint64_t)(nc * p->HV) : 1;
+    const uint64_t dqk[3] = {K, H, rows}, sqk[2] = {K * 2, H * K * 2};
+    const uint64_t ddo[3] = {V, HV, rows}, sdo[2] = {V * 2, HV * V * 2};
+    const uint64_t dam[3] = {64, 64, tiles}, sam[2] = {64 * 2, 64 * 64 * 2};
+    const uint32_t brow[3] = {64, 1, 64}, btile[3] = {64, 64, 1};
+    fq_status st;
+    if ((st = fq_tmap(&m[0], a.qb, 3, dqk, sqk, brow)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m[1], a.kb, 3, dqk, sqk, brow)) != FQ_OK) return st;
+    if ((st = fq_tmap(&m[2], a.a, 3, dam, sam, btile)) != FQ_OK) return st;
+    if (a.dout_async) return fq_tmap(&m[3], a.dout, 3, ddo, sdo, brow);
+    m[3] = m[0];
+    return FQ_OK;
+}
+
 static fq_status fq_bwd_state90_run(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
                                     int map_only, cudaStream_t stream)
 {
     if (p->N <= 0) return FQ_OK;
     if (p->K != 128 || p->V != 128)
         return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_state90_launch: K = V = 128 only (got %d, %d)", (int)p->K, (int)p->V);
-    const uint64_t K = 128, V = 128, H = (uint64_t)p->H, HV = (uint64_t)p->HV;
-    const uint64_t rows = p->B * p->T > 0 ? (uint64_t)(p->B * p->T) : 1;
+    const uint64_t K = 128, V = 128;
     const uint64_t tiles = nc * p->HV > 0 ? (uint64_t)(nc * p->HV) : 1;
-    /* q, k [rows][H][K], dO [rows][HV][V]: boxes of 64 columns x 64 rows; A [tiles][64][64]
-     * (64 x 64); dS_next [tiles][K][V] (64 columns x K rows, one store for both tiles);
-     * dVn [tiles][64][V] (64 x 64) */
-    const uint64_t dqk[3] = {K, H, rows}, sqk[2] = {K * 2, H * K * 2};
-    const uint64_t ddo[3] = {V, HV, rows}, sdo[2] = {V * 2, HV * V * 2};
-    const uint64_t dam[3] = {64, 64, tiles}, sam[2] = {64 * 2, 64 * 64 * 2};
+    /* q, k, A, dO (fq_bwd_tmaps_qkado); dS_next [tiles][K][V] (64 columns x K rows, one
+     * store for both tiles); dVn [tiles][64][V] (64 x 64) */
     const uint64_t dds[3] = {V, K, tiles}, sds[2] = {V * 2, K * V * 2};
     const uint64_t ddv[3] = {V, 64, tiles}, sdv[2] = {V * 2, 64 * V * 2};
-    const uint32_t brow[3] = {64, 1, 64}, btile[3] = {64, 64, 1}, bds[3] = {64, (uint32_t)K, 1};
+    const uint32_t btile[3] = {64, 64, 1}, bds[3] = {64, (uint32_t)K, 1};
     CUtensorMap m[6];
-    fq_status st;
-    if ((st = fq_tmap(&m[0], a.qb, 3, dqk, sqk, brow)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m[1], a.kb, 3, dqk, sqk, brow)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m[2], a.a, 3, dam, sam, btile)) != FQ_OK) return st;
-    if (a.dout_async) {
-        if ((st = fq_tmap(&m[3], a.dout, 3, ddo, sdo, brow)) != FQ_OK) return st;
-    } else {
-        m[3] = m[0]; /* unused: the checker converts dO */
-    }
+    fq_status st = fq_bwd_tmaps_qkado(p, a, nc, m);
+    if (st != FQ_OK) return st;
     if ((st = fq_tmap(&m[4], a.dsl, 3, dds, sds, bds)) != FQ_OK) return st;
     if ((st = fq_tmap(&m[5], a.dvl, 3, ddv, sdv, btile)) != FQ_OK) return st;
     fq_bst_args args;
