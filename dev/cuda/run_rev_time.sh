@@ -22,7 +22,8 @@ for x in $(ls $BIN | grep -E '^check_bwd_[ac-s]$'); do
 done
 for x in $(ls $BIN | grep -E '^check_bwd_t[a-z]*$'); do
     echo "=== $x: trace"
-    timeout 60 $BIN/$x one 8 4096 16 32 2>&1 | tail -9
+    timeout 60 $BIN/$x one 8 4096 16 32 > $OUTDIR/$x.trace 2>&1
+    python3 dev/cuda/trace_rev.py < $OUTDIR/$x.trace
 done
 if [ -n "${FQ_SAN:-}" ]; then
     echo "=== ${FQ_FULL:-b} memcheck and racecheck, small"
