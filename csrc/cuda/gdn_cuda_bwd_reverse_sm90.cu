@@ -39,14 +39,18 @@
  *        each group (rows past the chunk's tokens to 0, K scaled by rk, A's
  *        padding to the identity, V's non-finite elements to 0, dO converted
  *        where no TMA, the row vectors) before the consumers see it.
- *   S (168): the chain. Publishes D' = bf16(dS'^T) [v][kd], then dS^T =
+ *   S (176): the chain. Publishes D' = bf16(dS'^T) [v][kd], then dS^T =
  *        e^{gamma_C} dS'^T + (dO^T diag(qg)) Q (A from registers) - Z'^T K^
  *        (both from shared memory, MN-major), dS^T as two m64n128 accumulator sets.
  *   V (120): P, then X^T = D' K^^T (m64n64 per half of v), dVn^T = X^T diag(m)
  *        + dO^T P, dVn^T to shared memory (for W too), Z = A^T dVn (both from
  *        shared memory), Z' for S; then dv and V's part of dbeta by rows of Z.
- *   W (184): the WY products F1, dW, F2, dA, M1, M2, K^ K^T, Gl K^, Gl^T K^,
+ *   W (176): the WY products F1, dW, F2, dA, M1, M2, K^ K^T, Gl K^, Gl^T K^,
  *        dK out, dg and dbeta; one chunk behind S and V at most.
+ * (The split of the 512 registers per thread slot is FQ_REV_REG_*: with 512 threads
+ * ptxas compiles at 128 a thread and gives each role its setmaxnreg budget; if any role
+ * runs short, ptxas serialises every wgmma of the kernel (C7512 in `ptxas -v`): check for
+ * it after every edit of this file.)
  * Hand-overs are mbarriers, each completing once per chunk (parity = the
  * chunk's step & 1), every "full" paired with an "empty" that holds its
  * writer until the last reader is done. The chain's critical path per chunk:
