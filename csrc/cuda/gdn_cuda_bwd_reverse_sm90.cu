@@ -170,28 +170,6 @@ static __device__ __forceinline__ int fq_rev_bar_or(int id, int n, int pred)
     return r;
 }
 
-/* dO^T (rows v of one 64-column tile of dO [r][v]) as the A operand of K-step
- * kk (K-index r = 16 kk ..) by ldmatrix.trans */
-static __device__ __forceinline__ void fq_rev_dot_frag(uint32_t (&x)[4], const unsigned char *tile, int kk, int w,
-                                                      int lane)
-{
-    const int m = lane >> 3, rr = 16 * kk + (lane & 7) + 8 * (m >> 1);
-    fq_ldsm_x4_trans(x, fq_smem_u32(tile + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
-}
-
-/* The A fragment's K-index pairs scaled by a 64-float vector (rows r = 16 kk + 2 t (+1), + 8) */
-static __device__ __forceinline__ void fq_rev_frag_scale(uint32_t (&x)[4], const float *vec, int kk, int t)
-{
-    const float2 f0 = *(const float2 *)(vec + 16 * kk + 2 * t);
-    const float2 f8 = *(const float2 *)(vec + 16 * kk + 8 + 2 * t);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 y = fq_unpack_bf16(x[q]);
-        const float2 f = q < 2 ? f0 : f8;
-        x[q] = fq_pack_bf16(y.x * f.x, y.y * f.y);
-    }
-}
-
 /* In place, the 16-byte pieces idx0, idx0 + step, .. of `rows` rows of
  * `nt` 64-column tiles (a row is 128 contiguous bytes whatever the swizzle):
  * rows >= len to 0, the others times f[row] (f NULL: unchanged). */
@@ -458,8 +436,8 @@ __global__ void __launch_bounds__(512, 1)
                     uint32_t qa[2][4];
 #pragma unroll
                     for (int kk = 0; kk < 2; kk++) {
-                        fq_rev_dot_frag(qa[kk], smem + SM::off_do + mh * FQ_TILE, k2 + kk, w, lane);
-                        fq_rev_frag_scale(qa[kk], vec + SM::VQG, k2 + kk, t);
+                        fq_frag_a_mn(qa[kk], smem + SM::off_do + mh * FQ_TILE, k2 + kk, w, lane);
+                        fq_frag_a_scale_k(qa[kk], vec + SM::VQG, k2 + kk, t);
                     }
                     fq_wgmma_fence();
 #pragma unroll
@@ -590,7 +568,7 @@ __global__ void __launch_bounds__(512, 1)
                     uint32_t za[4][4];
 #pragma unroll
                     for (int kk = 0; kk < 4; kk++) {
-                        fq_rev_dot_frag(za[kk], smem + SM::off_do + mh * FQ_TILE, kk, w, lane);
+                        fq_frag_a_mn(za[kk], smem + SM::off_do + mh * FQ_TILE, kk, w, lane);
 #pragma unroll
                         for (int q = 0; q < 4; q++) za[kk][q] &= fq_bf16x2_finite_mask(za[kk][q]);
                     }

@@ -93,30 +93,6 @@ struct fq_bst_args {
 };
 
 #if FQ_SM90A
-/* The lane's row factors of an accumulator / A operand tile: the lane's
- * K-index pairs r = 16 kk + 2 t (+1) (q < 2) and + 8 (q >= 2) of the A
- * fragment of K-step kk, from a 64-float vector. */
-static __device__ __forceinline__ void fq_bst_afrag_scale(uint32_t (&a)[4], const float *vec, int kk, int t)
-{
-    const float2 f0 = *(const float2 *)(vec + 16 * kk + 2 * t);
-    const float2 f8 = *(const float2 *)(vec + 16 * kk + 8 + 2 * t);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 x = fq_unpack_bf16(a[q]);
-        const float2 f = q < 2 ? f0 : f8;
-        a[q] = fq_pack_bf16(x.x * f.x, x.y * f.y);
-    }
-}
-
-/* dO^T as the A operand of K-step kk (rows v = 16 w + g (+8), K-index r =
- * 16 kk + 2 t (+1) (+8)) from the dO tile [r][v] by ldmatrix.trans */
-static __device__ __forceinline__ void fq_bst_dot_frag(uint32_t (&a)[4], const unsigned char *dot, int kk, int w,
-                                                      int lane)
-{
-    const int m = lane >> 3, rr = 16 * kk + (lane & 7) + 8 * (m >> 1);
-    fq_ldsm_x4_trans(a, fq_smem_u32(dot + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
-}
-
 /* An A operand's 8 x 8 blocks stored transposed (stmatrix.trans) into a
  * staging tile set: K-step kk of a 64-row (v) operand, whose K-index
  * (16 kk ..) becomes the destination row (tile (16 kk) / 64), v the column */
@@ -332,7 +308,7 @@ __global__ void __launch_bounds__(384, 1)
             uint32_t za[4][4];
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                fq_bst_dot_frag(za[kk], sm + SM::off_do, kk, w, lane);
+                fq_frag_a_mn(za[kk], sm + SM::off_do, kk, w, lane);
 #pragma unroll
                 for (int q = 0; q < 4; q++) za[kk][q] &= fq_bf16x2_finite_mask(za[kk][q]);
             }
@@ -443,8 +419,8 @@ __global__ void __launch_bounds__(384, 1)
                 uint32_t qa[4][4];
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
-                    fq_bst_dot_frag(qa[kk], sm + SM::off_do, kk, w, lane);
-                    fq_bst_afrag_scale(qa[kk], vec + SM::VQG, kk, t);
+                    fq_frag_a_mn(qa[kk], sm + SM::off_do, kk, w, lane);
+                    fq_frag_a_scale_k(qa[kk], vec + SM::VQG, kk, t);
                 }
                 const uint64_t dqm = fq_desc_sw128(fq_smem_u32(sm + SM::off_q), FQ_TILE, 1024);
                 fq_wgmma_fence();

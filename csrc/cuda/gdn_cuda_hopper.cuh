@@ -264,6 +264,30 @@ static __device__ __forceinline__ void fq_wgmma_ss_qk(float (&acc)[32], uint64_t
     }
 }
 
+/* The A fragment of K-step kk of a 64-row operand stored MN-major in one
+ * SWIZZLE_128B tile [k][m] (e.g. dO^T from a dO tile [r][v]: m = v, k = r), for
+ * warp w of the warpgroup (rows m = 16 w ..), by ldmatrix.trans. */
+static __device__ __forceinline__ void fq_frag_a_mn(uint32_t (&a)[4], const unsigned char *tile, int kk, int w,
+                                                    int lane)
+{
+    const int m = lane >> 3, rr = 16 * kk + (lane & 7) + 8 * (m >> 1);
+    fq_ldsm_x4_trans(a, fq_smem_u32(tile + fq_sw128(rr, 2 * (16 * w + 8 * (m & 1)))));
+}
+
+/* That fragment's K-index pairs (k = 16 kk + 2 t, +1; and + 8) scaled by a
+ * 64-float vector: A diag(vec) for K-step kk. */
+static __device__ __forceinline__ void fq_frag_a_scale_k(uint32_t (&a)[4], const float *vec, int kk, int t)
+{
+    const float2 f0 = *(const float2 *)(vec + 16 * kk + 2 * t);
+    const float2 f8 = *(const float2 *)(vec + 16 * kk + 8 + 2 * t);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 x = fq_unpack_bf16(a[q]);
+        const float2 f = q < 2 ? f0 : f8;
+        a[q] = fq_pack_bf16(x.x * f.x, x.y * f.y);
+    }
+}
+
 /* Four 8x8 b16 matrices from registers to shared memory (stmatrix): lane l
  * gives the address of row l % 8 of matrix l / 8; r[i] holds the thread's
  * pair of matrix i in the accumulator layout (row g, columns 2t, 2t+1).
