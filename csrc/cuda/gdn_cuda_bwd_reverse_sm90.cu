@@ -651,6 +651,57 @@ __global__ void __launch_bounds__(512, 1)
             }
             fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
             float xv[2] = {0.f, 0.f};
+#ifdef FQ_REV_DV_QUAD
+            /* by groups of four column blocks nb = 4 q + u: lane t holds the pairs (8 nb + 2 t,
+             * +1) of every nb; a quad transpose gives lane t the 8 columns 8 (4 q + t) .. + 7
+             * (pair s from lane s), one 16-byte piece of V's row and of dv's */
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int c = c0 + 8 * h;
+                const float bc = vec[SM::VB + c];
+                const int64_t o = ((int64_t)(row0 + c) * HV + j) * V;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    float2 P[4], Q[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) P[u] = make_float2(z[4 * (4 * q + u) + 2 * h], z[4 * (4 * q + u) + 2 * h + 1]);
+                    float2 R[4];
+                    R[0] = make_float2(0.f, 0.f);
+#pragma unroll
+                    for (int k = 1; k < 4; k++) {
+                        const int u = t ^ k;
+                        const float2 snd = u == 0 ? P[0] : u == 1 ? P[1] : u == 2 ? P[2] : P[3];
+                        R[k].x = __shfl_xor_sync(0xffffffffu, snd.x, k);
+                        R[k].y = __shfl_xor_sync(0xffffffffu, snd.y, k);
+                    }
+                    const float2 own = t == 0 ? P[0] : t == 1 ? P[1] : t == 2 ? P[2] : P[3];
+#pragma unroll
+                    for (int sl = 0; sl < 4; sl++) {
+                        const int k = sl ^ t;
+                        Q[sl] = k == 0 ? own : k == 1 ? R[1] : k == 2 ? R[2] : R[3];
+                    }
+                    const int nb = 4 * q + t; /* this lane's column block: columns 8 nb .. 8 nb + 7 */
+                    const uint4 vv = *(const uint4 *)(smem + SM::off_v + (nb >> 3) * FQ_TILE + c * 128 + (((nb & 7) ^ (c & 7)) << 4));
+                    const uint32_t *vw = (const uint32_t *)&vv;
+#pragma unroll
+                    for (int sl = 0; sl < 4; sl++) {
+                        const float2 f = fq_unpack_bf16(vw[sl]);
+                        xv[h] += Q[sl].x * f.x + Q[sl].y * f.y;
+                    }
+                    if (c < len) {
+                        if (a.dt == FQ_BF16 && ((uintptr_t)a.dv & 15) == 0) {
+                            uint4 y;
+                            y.x = fq_pack_bf16(bc * Q[0].x, bc * Q[0].y), y.y = fq_pack_bf16(bc * Q[1].x, bc * Q[1].y);
+                            y.z = fq_pack_bf16(bc * Q[2].x, bc * Q[2].y), y.w = fq_pack_bf16(bc * Q[3].x, bc * Q[3].y);
+                            *(uint4 *)((fq_bf16 *)a.dv + o + 8 * nb) = y;
+                        } else {
+#pragma unroll
+                            for (int sl = 0; sl < 4; sl++) fq_st_f2(a.dv, a.dt, o + 8 * nb + 2 * sl, bc * Q[sl].x, bc * Q[sl].y);
+                        }
+                    }
+                }
+            }
+#else
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = c0 + 8 * h;
@@ -661,11 +712,16 @@ __global__ void __launch_bounds__(512, 1)
                     const float z0 = z[4 * nb + 2 * h], z1 = z[4 * nb + 2 * h + 1];
                     const float2 vv = fq_unpack_bf16(*fq_tile_pair(smem + SM::off_v + (nb >> 3) * FQ_TILE, c, 8 * (nb & 7) + 2 * t));
                     xv[h] += z0 * vv.x + z1 * vv.y;
-#ifndef FQ_REV_DIAG_NOSTORE /* (dev: timing without the dv and dK stores; results wrong) */
+#if defined(FQ_REV_DIAG_NOSTORE) || defined(FQ_REV_DIAG_NODV) /* (dev: timing without the dv (and dK) stores; results wrong) */
+                    if (c < len && z0 == 1234.5f) a.dkw[0] = z1;
+#elif defined(FQ_REV_DIAG_DVBF16) /* (dev: the bf16 store alone, no dtype switch) */
+                    if (c < len) *(__nv_bfloat162 *)((fq_bf16 *)a.dv + o + 8 * nb) = __floats2bfloat162_rn(bc * z0, bc * z1);
+#else
                     if (c < len) fq_st_f2(a.dv, a.dt, o + 8 * nb, bc * z0, bc * z1);
 #endif
                 }
             }
+#endif
             fq_mbar_arrive(&bar[RB_EMPTY_HVV]);
             const float xv0 = fq_quad_sum(xv[0]), xv1 = fq_quad_sum(xv[1]);
             if (st >= 1) fq_rev_wait(&bar[RB_VREMPTY], (st - 1) & 1);
@@ -692,7 +748,11 @@ __global__ void __launch_bounds__(512, 1)
             const unsigned char *sK = ka, *sA = ka + 2 * FQ_TILE;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
             fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+#ifdef FQ_REV_HVV_LATE /* h and Vn are not checked: the TMA's barrier; V (checked) before dA */
+            fq_rev_wait(&bar[RB_FULL_HVV], st & 1);
+#else
             fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
+#endif
             fq_rev_wait(&bar[RB_DFULL], st & 1);
             FQ_TR(19);
             /* F1 = Vn D'^T = Vn dS'^T [r][kd] (Vn K-major; D' [v][kd] MN-major, N = kd over
@@ -826,6 +886,9 @@ __global__ void __launch_bounds__(512, 1)
             /* dA = dW K^T diag(bg) + dVn V^T diag(beta) -> dA^T [s][r] (bf16, non-finite -> 0) */
             {
                 float d1[32], d2[32];
+#ifdef FQ_REV_HVV_LATE
+                fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
+#endif
                 fq_wgmma_fence();
                 {
                     const uint64_t dw = fq_dkm(sVn), dk = fq_dkm(sK), dv = fq_dmn(sDvn), dvv = fq_dkm(sV);
@@ -971,7 +1034,7 @@ __global__ void __launch_bounds__(512, 1)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int r = 16 * w + g + 8 * h;
-#ifndef FQ_REV_DIAG_NOSTORE
+#if !defined(FQ_REV_DIAG_NOSTORE) && !defined(FQ_REV_DIAG_NODK)
                     if (r < len)
                         *(float2 *)(a.dkw + ((int64_t)(row0 + r) * HV + j) * K + 8 * nb + 2 * t) =
                             make_float2(dK[4 * nb + 2 * h], dK[4 * nb + 2 * h + 1]);
