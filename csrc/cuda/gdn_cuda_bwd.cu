@@ -106,16 +106,22 @@ typedef struct fq_bwd_ws {
 static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
 /* 1: the reverse pass is bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu: the chain and
- * bwd_wy's products in one kernel), where fq_bwd_sm90_path. FLASHQLA_CUDA_BWD_REVERSE=0
- * (read once) runs bwd_state90 + bwd_wy90 instead, for timing the two. */
+ * bwd_wy's products in one kernel), else bwd_state90 + bwd_wy90; only where
+ * fq_bwd_sm90_path. bwd_rev90 is one CTA per (sequence, value head) and its chunk
+ * is a serial step, so it wins where those fill the GPU without context parallelism
+ * (N HV >= FQ_CP_SMS / 2: measured, H100, 16/32 8 x 4096: 1.84 ms against 2.07) and
+ * loses where segments must (16/32 1 x 32768: 2.52 against 2.30; its MAP pass and
+ * combine, benchmarks/NOTES.md session 22). FLASHQLA_CUDA_BWD_REVERSE=1 / 0 (read
+ * once) forces one or the other, for tests and timing. */
 static int fq_bwd_rev_path(const fq_gdn_params *p)
 {
     static int env = -2;
     if (env == -2) {
         const char *e = getenv("FLASHQLA_CUDA_BWD_REVERSE");
-        env = e && e[0] == '0' && e[1] == 0 ? 0 : 1;
+        env = e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
     }
-    return env && fq_bwd_sm90_path(p);
+    if (env == 0 || !fq_bwd_sm90_path(p)) return 0;
+    return env == 1 || p->N * p->HV >= FQ_CP_SMS / 2;
 }
 
 /* Segments per sequence at most for the reverse pass's context parallelism.

@@ -46,7 +46,14 @@
  *        + dO^T P, dVn^T to shared memory (for W too), Z = A^T dVn (both from
  *        shared memory), Z' for S; then dv and V's part of dbeta by rows of Z.
  *   W (176): the WY products F1, dW, F2, dA, M1, M2, K^ K^T, Gl K^, Gl^T K^,
- *        dK out, dg and dbeta; one chunk behind S and V at most.
+ *        dK out, dg and dbeta; one chunk behind S and V at most. It starts on h
+ *        and Vn as soon as they land (nobody checks them) and waits for the
+ *        checked V only before dA: the HVV group is single-buffered, so its
+ *        check would otherwise sit on W's critical path every chunk.
+ * The epilogues' global stores (dv, dK) go through one row pointer per row with
+ * the output type decided once per chunk: per-element dtype switches and 64-bit
+ * addresses recomputed per element (what the compiler does under these register
+ * budgets) cost more than the stores themselves (benchmarks/NOTES.md, session 22).
  * (The split of the 512 registers per thread slot is FQ_REV_REG_*: with 512 threads
  * ptxas compiles at 128 a thread and gives each role its setmaxnreg budget; if any role
  * runs short, ptxas serialises every wgmma of the kernel (C7512 in `ptxas -v`): check for
@@ -651,77 +658,38 @@ __global__ void __launch_bounds__(512, 1)
             }
             fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
             float xv[2] = {0.f, 0.f};
-#ifdef FQ_REV_DV_QUAD
-            /* by groups of four column blocks nb = 4 q + u: lane t holds the pairs (8 nb + 2 t,
-             * +1) of every nb; a quad transpose gives lane t the 8 columns 8 (4 q + t) .. + 7
-             * (pair s from lane s), one 16-byte piece of V's row and of dv's */
+            /* dbeta's V part: xv_c = sum_v Z[c][v] V[c][v] (V's row c: the 16-byte piece of
+             * column block nb sits at piece nb ^ (c & 7) of its tile, SWIZZLE_128B) */
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int c = c0 + 8 * h;
-                const float bc = vec[SM::VB + c];
-                const int64_t o = ((int64_t)(row0 + c) * HV + j) * V;
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    float2 P[4], Q[4];
-#pragma unroll
-                    for (int u = 0; u < 4; u++) P[u] = make_float2(z[4 * (4 * q + u) + 2 * h], z[4 * (4 * q + u) + 2 * h + 1]);
-                    float2 R[4];
-                    R[0] = make_float2(0.f, 0.f);
-#pragma unroll
-                    for (int k = 1; k < 4; k++) {
-                        const int u = t ^ k;
-                        const float2 snd = u == 0 ? P[0] : u == 1 ? P[1] : u == 2 ? P[2] : P[3];
-                        R[k].x = __shfl_xor_sync(0xffffffffu, snd.x, k);
-                        R[k].y = __shfl_xor_sync(0xffffffffu, snd.y, k);
-                    }
-                    const float2 own = t == 0 ? P[0] : t == 1 ? P[1] : t == 2 ? P[2] : P[3];
-#pragma unroll
-                    for (int sl = 0; sl < 4; sl++) {
-                        const int k = sl ^ t;
-                        Q[sl] = k == 0 ? own : k == 1 ? R[1] : k == 2 ? R[2] : R[3];
-                    }
-                    const int nb = 4 * q + t; /* this lane's column block: columns 8 nb .. 8 nb + 7 */
-                    const uint4 vv = *(const uint4 *)(smem + SM::off_v + (nb >> 3) * FQ_TILE + c * 128 + (((nb & 7) ^ (c & 7)) << 4));
-                    const uint32_t *vw = (const uint32_t *)&vv;
-#pragma unroll
-                    for (int sl = 0; sl < 4; sl++) {
-                        const float2 f = fq_unpack_bf16(vw[sl]);
-                        xv[h] += Q[sl].x * f.x + Q[sl].y * f.y;
-                    }
-                    if (c < len) {
-                        if (a.dt == FQ_BF16 && ((uintptr_t)a.dv & 15) == 0) {
-                            uint4 y;
-                            y.x = fq_pack_bf16(bc * Q[0].x, bc * Q[0].y), y.y = fq_pack_bf16(bc * Q[1].x, bc * Q[1].y);
-                            y.z = fq_pack_bf16(bc * Q[2].x, bc * Q[2].y), y.w = fq_pack_bf16(bc * Q[3].x, bc * Q[3].y);
-                            *(uint4 *)((fq_bf16 *)a.dv + o + 8 * nb) = y;
-                        } else {
-#pragma unroll
-                            for (int sl = 0; sl < 4; sl++) fq_st_f2(a.dv, a.dt, o + 8 * nb + 2 * sl, bc * Q[sl].x, bc * Q[sl].y);
-                        }
-                    }
-                }
-            }
-#else
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int c = c0 + 8 * h;
-                const float bc = vec[SM::VB + c];
-                const int64_t o = ((int64_t)(row0 + c) * HV + j) * V + 2 * t;
+                const uint32_t vrow = (fq_smem_u32(smem + SM::off_v) + c * 128 + 4 * t) ^ ((c & 7) << 4);
 #pragma unroll
                 for (int nb = 0; nb < 16; nb++) {
-                    const float z0 = z[4 * nb + 2 * h], z1 = z[4 * nb + 2 * h + 1];
-                    const float2 vv = fq_unpack_bf16(*fq_tile_pair(smem + SM::off_v + (nb >> 3) * FQ_TILE, c, 8 * (nb & 7) + 2 * t));
-                    xv[h] += z0 * vv.x + z1 * vv.y;
-#if defined(FQ_REV_DIAG_NOSTORE) || defined(FQ_REV_DIAG_NODV) /* (dev: timing without the dv (and dK) stores; results wrong) */
-                    if (c < len && z0 == 1234.5f) a.dkw[0] = z1;
-#elif defined(FQ_REV_DIAG_DVBF16) /* (dev: the bf16 store alone, no dtype switch) */
-                    if (c < len) *(__nv_bfloat162 *)((fq_bf16 *)a.dv + o + 8 * nb) = __floats2bfloat162_rn(bc * z0, bc * z1);
-#else
-                    if (c < len) fq_st_f2(a.dv, a.dt, o + 8 * nb, bc * z0, bc * z1);
-#endif
+                    const float2 vv = fq_unpack_bf16(fq_lds_u32((vrow + (nb >> 3) * FQ_TILE) ^ ((nb & 7) << 4)));
+                    xv[h] += z[4 * nb + 2 * h] * vv.x + z[4 * nb + 2 * h + 1] * vv.y;
                 }
             }
-#endif
+            /* dv = diag(beta) Z: a row pointer each, the output type decided once (a branch
+             * per element costs more than the stores: constant loads, reconvergence, code) */
+            {
+                const float b0 = vec[SM::VB + c0], b1 = vec[SM::VB + c0 + 8];
+                const int64_t o0 = ((int64_t)(row0 + c0) * HV + j) * V + 2 * t, o1 = o0 + (int64_t)8 * HV * V;
+                const bool ok0 = c0 < len, ok1 = c0 + 8 < len;
+                if (a.dt == FQ_BF16) {
+                    uint32_t *p0 = (uint32_t *)((fq_bf16 *)a.dv + o0), *p1 = (uint32_t *)((fq_bf16 *)a.dv + o1);
+#pragma unroll
+                    for (int nb = 0; nb < 16; nb++) {
+                        if (ok0) p0[4 * nb] = fq_pack_bf16(b0 * z[4 * nb], b0 * z[4 * nb + 1]);
+                        if (ok1) p1[4 * nb] = fq_pack_bf16(b1 * z[4 * nb + 2], b1 * z[4 * nb + 3]);
+                    }
+                } else {
+                    for (int nb = 0; nb < 16; nb++) {
+                        if (ok0) fq_st_f2(a.dv, a.dt, o0 + 8 * nb, b0 * z[4 * nb], b0 * z[4 * nb + 1]);
+                        if (ok1) fq_st_f2(a.dv, a.dt, o1 + 8 * nb, b1 * z[4 * nb + 2], b1 * z[4 * nb + 3]);
+                    }
+                }
+            }
             fq_mbar_arrive(&bar[RB_EMPTY_HVV]);
             const float xv0 = fq_quad_sum(xv[0]), xv1 = fq_quad_sum(xv[1]);
             if (st >= 1) fq_rev_wait(&bar[RB_VREMPTY], (st - 1) & 1);
@@ -748,11 +716,7 @@ __global__ void __launch_bounds__(512, 1)
             const unsigned char *sK = ka, *sA = ka + 2 * FQ_TILE;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
             fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
-#ifdef FQ_REV_HVV_LATE /* h and Vn are not checked: the TMA's barrier; V (checked) before dA */
-            fq_rev_wait(&bar[RB_FULL_HVV], st & 1);
-#else
-            fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
-#endif
+            fq_rev_wait(&bar[RB_FULL_HVV], st & 1); /* h, Vn: nobody checks them; V (checked) before dA */
             fq_rev_wait(&bar[RB_DFULL], st & 1);
             FQ_TR(19);
             /* F1 = Vn D'^T = Vn dS'^T [r][kd] (Vn K-major; D' [v][kd] MN-major, N = kd over
@@ -886,9 +850,7 @@ __global__ void __launch_bounds__(512, 1)
             /* dA = dW K^T diag(bg) + dVn V^T diag(beta) -> dA^T [s][r] (bf16, non-finite -> 0) */
             {
                 float d1[32], d2[32];
-#ifdef FQ_REV_HVV_LATE
-                fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
-#endif
+                fq_rev_wait(&bar[RB_CHK_HVV], st & 1); /* V, checked */
                 fq_wgmma_fence();
                 {
                     const uint64_t dw = fq_dkm(sVn), dk = fq_dkm(sK), dv = fq_dmn(sDvn), dvv = fq_dkm(sV);
@@ -907,14 +869,27 @@ __global__ void __launch_bounds__(512, 1)
                 fq_mbar_arrive(&bar[RB_VEMPTY]);
                 FQ_TR(22);
                 fq_mbar_arrive(&bar[RB_EMPTY_HVV]); /* h, Vn / dW, V read */
+                /* (stored transposed by stmatrix.trans: lane l addresses row sc = 8 nb + l % 8 of
+                 * matrix l / 8 = (nb - nb0) * 2 + h, whose 8 columns are rows r = 16 w + 8 h ..) */
+                const int lm = lane >> 3;
 #pragma unroll
-                for (int nb = 0; nb < 8; nb++)
+                for (int kk = 0; kk < 4; kk++) {
+                    uint32_t pk[2][2];
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int r = 16 * w + g + 8 * (e >> 1), sc = 8 * nb + 2 * t + (e & 1);
-                        const float y = d1[4 * nb + e] * vec[SM::VBG + sc] + d2[4 * nb + e] * vec[SM::VB + sc];
-                        *(fq_bf16 *)(sDA + fq_sw128(sc, 2 * r)) = __float2bfloat16_rn(isfinite(y) ? y : 0.f);
+                    for (int u = 0; u < 2; u++) {
+                        const int nb = 2 * kk + u, sc = 8 * nb + 2 * t;
+                        const float bg0 = vec[SM::VBG + sc], bg1 = vec[SM::VBG + sc + 1];
+                        const float b0 = vec[SM::VB + sc], b1 = vec[SM::VB + sc + 1];
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const float y0 = d1[4 * nb + 2 * h] * bg0 + d2[4 * nb + 2 * h] * b0;
+                            const float y1 = d1[4 * nb + 2 * h + 1] * bg1 + d2[4 * nb + 2 * h + 1] * b1;
+                            pk[u][h] = fq_pack_bf16(isfinite(y0) ? y0 : 0.f, isfinite(y1) ? y1 : 0.f);
+                        }
                     }
+                    const int srow = 8 * (2 * kk + (lm >> 1)) + (lane & 7);
+                    fq_stsm_x4_t(fq_smem_u32(sDA + fq_sw128(srow, 16 * (2 * w + (lm & 1)))), pk[0][0], pk[0][1], pk[1][0], pk[1][1]);
+                }
             }
             fq_fence_async_smem();
             fq_named_bar(2, 128);
@@ -1028,20 +1003,16 @@ __global__ void __launch_bounds__(512, 1)
             fq_reg_fence(dK);
             fq_mbar_arrive(&bar[RB_EMPTY_KA + s]);
             FQ_TR(25);
-            /* dK (w.r.t. K^, this value head) -> a.dkw [rows][HV][K] fp32 */
+            /* dK (w.r.t. K^, this value head) -> a.dkw [rows][HV][K] fp32, a row pointer each */
 #pragma unroll
-            for (int nb = 0; nb < 16; nb++)
+            for (int h = 0; h < 2; h++) {
+                const int r = 16 * w + g + 8 * h;
+                float2 *pr = (float2 *)(a.dkw + ((int64_t)(row0 + r) * HV + j) * K + 2 * t);
+                if (r < len) {
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = 16 * w + g + 8 * h;
-#if !defined(FQ_REV_DIAG_NOSTORE) && !defined(FQ_REV_DIAG_NODK)
-                    if (r < len)
-                        *(float2 *)(a.dkw + ((int64_t)(row0 + r) * HV + j) * K + 8 * nb + 2 * t) =
-                            make_float2(dK[4 * nb + 2 * h], dK[4 * nb + 2 * h + 1]);
-#else
-                    if (r < len && dK[4 * nb + 2 * h] == 1234.5f) a.dkw[0] = dK[4 * nb + 2 * h + 1];
-#endif
+                    for (int nb = 0; nb < 16; nb++) pr[4 * nb] = make_float2(dK[4 * nb + 2 * h], dK[4 * nb + 2 * h + 1]);
                 }
+            }
         }
     }
 #endif

@@ -82,6 +82,15 @@ static __device__ __forceinline__ uint32_t *fq_tile_pair(unsigned char *tile, in
     return (uint32_t *)(tile + fq_sw128(row, 2 * col));
 }
 
+/* 32 bits at a shared-memory address (fq_smem_u32's form): a swizzled address built by
+ * XOR once per row, which the compiler would otherwise recompute (or spill) per element */
+static __device__ __forceinline__ uint32_t fq_lds_u32(uint32_t addr)
+{
+    uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+    return v;
+}
+
 /* Descriptors of operands in 64 x 64 tiles: K-major (lbo 16, sbo 1024; the
  * K-step kk of a product over 64 KT columns at (kk / 4) tiles + 32 (kk % 4)
  * bytes, fq_koff) and MN-major (the next 64 M/N elements a tile away, sbo

@@ -4,7 +4,7 @@
 # Nsight Compute's source counters (warp-state samples per instruction) of bwd_rev90 in
 # check_bwd_${FQ_NCU:-k} `one 8 4096 16 32`, exported as CSV (SASS) to $OUT/rev_sass.csv.xz with
 # the details page; the traced builds (check_bwd_t*) print their per-role digest.
-# FQ_FULL=x: check_bwd_x's full check first. Run on the device from the repository root,
+# FQ_FULL=x: check_bwd_x's full check first (FQ_SAN=1: and its memcheck + racecheck at the end). Run on the device from the repository root,
 # carry [".devbin_bwd"].
 set -u
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -39,6 +39,10 @@ $NCU --import /tmp/ncu_rev.ncu-rep --page details --csv > $OUTDIR/rev_details.cs
 $NCU --import /tmp/ncu_rev.ncu-rep --page source --csv --print-source sass 2>&1 | xz -6 > $OUTDIR/rev_sass.csv.xz
 ls -la $OUTDIR
 grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Active Warps Per" $OUTDIR/rev_details.csv | head -12
+if [ -n "${FQ_SAN:-}" ] && [ -n "${FQ_FULL:-}" ]; then
+    echo "=== $FQ_FULL memcheck and racecheck, small"
+    fq_sanitize_pair "$OUTDIR/san" 100 $BIN/check_bwd_$FQ_FULL small small
+fi
 echo "=== per row (ms): total rec loc st wy at $(( $(date +%s) - T0 )) s"
 for f in $(cd $OUTDIR && ls time_*.log | sed 's/.log$//'); do
     echo "--- $f"; sed -n '/^shape /,/^$/p' $OUTDIR/$f.log | grep -v "^$" | head -7
