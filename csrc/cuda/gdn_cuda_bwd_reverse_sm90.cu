@@ -730,24 +730,23 @@ __global__ void __launch_bounds__(512, 1)
                     fq_wgmma_ss_n128<0, 1, 0>(F, fq_desc_at(dvn, fq_koff(kk)), fq_desc_at(dd, 2048 * kk), kk > 0);
             }
             fq_wgmma_commit();
-            /* <S, dS'> (h [kd][v] by tall tiles of v, D' [v][kd] by tall tiles of kd) meanwhile */
-            /* (thread tw owns row kd = tw of h and column kd of D': h's 16-byte pieces come
-             * from 32 rows a warp, D''s elements from one row, no bank conflicts) */
+            /* <S, dS'> = sum h[kd][v] D'[v][kd] (h [kd][v] by tall tiles of v, D' [v][kd] by tall
+             * tiles of kd) meanwhile, by 8x8 blocks: warp w takes v in [32 w, 32 w + 32); ldmatrix
+             * gives lane (g, t) D'[v0 + g][kd0 + 2t, +1], ldmatrix.trans of h's block h[kd0 + 2t,
+             * +1][v0 + g]: the same (v, kd) pairs (two loads per 16 products) */
             float sdot = 0.f;
             {
-                const int kd = tw;
-                const unsigned char *hrow = sH + kd * 128, *dcol = sD + (kd >> 6) * 2 * FQ_TILE;
-#pragma unroll 1
-                for (int cc = 0; cc < 16; cc++) {
-                    const int vt = cc >> 3, c = cc & 7, v0 = 64 * vt + 8 * c;
-                    const uint4 hv = *(const uint4 *)(hrow + vt * 2 * FQ_TILE + 16 * (c ^ (kd & 7)));
-                    const uint32_t *hs = (const uint32_t *)&hv;
+                const int mi = lane >> 3, rl = lane & 7;
+#pragma unroll 4
+                for (int it = 0; it < 16; it++) {
+                    const int vb = 4 * w + (it >> 2), kb = 4 * (it & 3) + mi;
+                    uint32_t dr[4], hr[4];
+                    fq_ldsm_x4(dr, fq_smem_u32(sD + (kb >> 3) * 2 * FQ_TILE + fq_sw128(8 * vb + rl, 16 * (kb & 7))));
+                    fq_ldsm_x4_trans(hr, fq_smem_u32(sH + (vb >> 3) * 2 * FQ_TILE + fq_sw128(8 * kb + rl, 16 * (vb & 7))));
 #pragma unroll
                     for (int q = 0; q < 4; q++) {
-                        const float2 hh = fq_unpack_bf16(hs[q]);
-                        const float d0 = fq_bf(*(const fq_bf16 *)(dcol + fq_sw128(v0 + 2 * q, 2 * (kd & 63))));
-                        const float d1 = fq_bf(*(const fq_bf16 *)(dcol + fq_sw128(v0 + 2 * q + 1, 2 * (kd & 63))));
-                        sdot += hh.x * d0 + hh.y * d1;
+                        const float2 d = fq_unpack_bf16(dr[q]), hh = fq_unpack_bf16(hr[q]);
+                        sdot += d.x * hh.x + d.y * hh.y;
                     }
                 }
             }

@@ -4,7 +4,8 @@
 # Nsight Compute's source counters (warp-state samples per instruction) of bwd_rev90 in
 # check_bwd_${FQ_NCU:-k} `one 8 4096 16 32`, exported as CSV (SASS) to $OUT/rev_sass.csv.xz with
 # the details page; the traced builds (check_bwd_t*) print their per-role digest.
-# FQ_FULL=x: check_bwd_x's full check first (FQ_SAN=1: and its memcheck + racecheck at the end). Run on the device from the repository root,
+# FQ_NONCU=1: no ncu. FQ_FULL=x: check_bwd_x's full check first, with bwd_rev90 forced
+# (FLASHQLA_CUDA_BWD_REVERSE=1: every case, context parallelism included) (FQ_SAN=1: and its memcheck + racecheck at the end). Run on the device from the repository root,
 # carry [".devbin_bwd"].
 set -u
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -17,7 +18,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 T0=$(date +%s)
 if [ -n "${FQ_FULL:-}" ]; then
     echo "=== $FQ_FULL full"
-    timeout 150 $BIN/check_bwd_$FQ_FULL > $OUTDIR/full_$FQ_FULL.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
+    FLASHQLA_CUDA_BWD_REVERSE=1 timeout 150 $BIN/check_bwd_$FQ_FULL > $OUTDIR/full_$FQ_FULL.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
     grep -E "FAIL|error" $OUTDIR/full_$FQ_FULL.log | head -20; grep -E "ALL OK|failures" $OUTDIR/full_$FQ_FULL.log | tail -2
 fi
 for x in $(ls $BIN | grep -E '^check_bwd_' | grep -v '^check_bwd_t'); do
@@ -29,6 +30,7 @@ for x in $(ls $BIN | grep -E '^check_bwd_t'); do
     timeout 60 $BIN/$x one 8 4096 16 32 > $OUTDIR/$x.trace 2>&1
     python3 dev/cuda/trace_rev.py < $OUTDIR/$x.trace
 done
+if [ -z "${FQ_NONCU:-}" ]; then
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 echo "=== ncu ($NCU) of check_bwd_${FQ_NCU:-k}"
 timeout 240 $NCU --clock-control none -k regex:fq_bwd_rev90 --launch-count 1 --section SpeedOfLight \
@@ -39,6 +41,7 @@ $NCU --import /tmp/ncu_rev.ncu-rep --page details --csv > $OUTDIR/rev_details.cs
 $NCU --import /tmp/ncu_rev.ncu-rep --page source --csv --print-source sass 2>&1 | xz -6 > $OUTDIR/rev_sass.csv.xz
 ls -la $OUTDIR
 grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Active Warps Per" $OUTDIR/rev_details.csv | head -12
+fi
 if [ -n "${FQ_SAN:-}" ] && [ -n "${FQ_FULL:-}" ]; then
     echo "=== $FQ_FULL memcheck and racecheck, small"
     fq_sanitize_pair "$OUTDIR/san" 100 $BIN/check_bwd_$FQ_FULL small small
