@@ -107,12 +107,16 @@ static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
 
 /* 1: the reverse pass is bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu: the chain and
  * bwd_wy's products in one kernel), else bwd_state90 + bwd_wy90; only where
- * fq_bwd_sm90_path. bwd_rev90 is one CTA per (sequence, value head) and its chunk
- * is a serial step, so it wins where those fill the GPU without context parallelism
- * (N HV >= FQ_CP_SMS / 2: measured, H100, 16/32 8 x 4096: 1.84 ms against 2.07) and
- * loses where segments must (16/32 1 x 32768: 2.52 against 2.30; its MAP pass and
- * combine, benchmarks/NOTES.md session 22). FLASHQLA_CUDA_BWD_REVERSE=1 / 0 (read
- * once) forces one or the other, for tests and timing. */
+ * fq_bwd_sm90_path. bwd_rev90 runs one CTA per (sequence, value head), its chunk a
+ * serial step: a cost per wave of CTAs, ~11.4 us a chunk, plus its dk sum (~0.02 us
+ * per (chunk, value head)); the two-kernel form costs ~4.9 us a chunk per wave (the
+ * chain) plus bwd_wy90's chunk-parallel grid (~0.089 us per (chunk, value head)).
+ * (H100, 16/32 8 x 4096: 1.78 ms against 2.07, benchmarks/NOTES.md session 22.) So
+ * bwd_rev90 wins where the waves are nearly full, units = N HV >= 110 per wave of
+ * FQ_CP_SMS (5/6 of it: the break-even at 95, with a margin), and loses where
+ * context parallelism must split the chains (1 x 32768 at 16/32: 2.44 against 2.30).
+ * FLASHQLA_CUDA_BWD_REVERSE=1 / 0 (read once) forces one or the other, for tests and
+ * timing. */
 static int fq_bwd_rev_path(const fq_gdn_params *p)
 {
     static int env = -2;
@@ -121,7 +125,9 @@ static int fq_bwd_rev_path(const fq_gdn_params *p)
         env = e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
     }
     if (env == 0 || !fq_bwd_sm90_path(p)) return 0;
-    return env == 1 || p->N * p->HV >= FQ_CP_SMS / 2;
+    if (env == 1) return 1;
+    const int64_t units = p->N * p->HV, waves = (units + FQ_CP_SMS - 1) / FQ_CP_SMS;
+    return units >= 110 * waves;
 }
 
 /* Segments per sequence at most for the reverse pass's context parallelism.
