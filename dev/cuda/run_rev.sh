@@ -1,12 +1,16 @@
 #!/bin/bash
-# dev/cuda/run_rev_ncu.sh: where bwd_rev90's time goes, per SASS instruction. Timings of every
-# carried .devbin_bwd/check_bwd_* that is not traced (check_bwd_a = the baseline), then
-# Nsight Compute's source counters (warp-state samples per instruction) of bwd_rev90 in
-# check_bwd_${FQ_NCU:-k} `one 8 4096 16 32`, exported as CSV (SASS) to $OUT/rev_sass.csv.xz with
-# the details page; the traced builds (check_bwd_t*) print their per-role digest.
-# FQ_NONCU=1: no ncu. FQ_FULL=x: check_bwd_x's full check first, with bwd_rev90 forced
-# (FLASHQLA_CUDA_BWD_REVERSE=1: every case, context parallelism included) (FQ_SAN=1: and its memcheck + racecheck at the end). Run on the device from the repository root,
-# carry [".devbin_bwd"].
+# dev/cuda/run_rev.sh: bwd_rev90's dev run on the device (from the repository root, carry
+# [".devbin_bwd"]: check_bwd binaries built here, xz-compressed; check_bwd_a = the baseline).
+#   FQ_FULL=x   check_bwd_x's full check first, with bwd_rev90 forced
+#               (FLASHQLA_CUDA_BWD_REVERSE=1: every case, context parallelism included)
+#   then        the timings of every carried check_bwd_* that is not traced, and the per-role
+#               trace digest (dev/cuda/trace_rev.py) of every traced one (check_bwd_t*, built
+#               with -DFQ_REV_TRACE) at `one 8 4096 16 32`
+#   FQ_NCU=x    Nsight Compute's source counters (warp-state samples per SASS instruction) of
+#               bwd_rev90 in check_bwd_x (default k) `one 8 4096 16 32` -> $OUT/rev_sass.csv.xz
+#               and the details page; FQ_NONCU=1 leaves ncu out
+#   FQ_SAN=1    with FQ_FULL: compute-sanitizer memcheck + racecheck of its small cases, last
+# Map the SASS samples to source lines here with nvdisasm -g of the same binary's cubin.
 set -u
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/../.." || exit 1
