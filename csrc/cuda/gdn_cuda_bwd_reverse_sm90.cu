@@ -74,12 +74,10 @@
 #include <string.h>
 
 /* registers per thread of the warpgroups P, S, V, W (512 in all) */
-#ifndef FQ_REV_REG_S
 #define FQ_REV_REG_P 40
 #define FQ_REV_REG_S 176
 #define FQ_REV_REG_V 120
 #define FQ_REV_REG_W 176
-#endif
 
 /* Shared memory. Tiles are 64 x 64 bf16 SWIZZLE_128B (8 KB) unless "tall"
  * (128 rows, 16 KB: one TMA box or one N = 128 operand). */
@@ -118,7 +116,7 @@ struct fq_rev_args {
 
 
 /* dev: FQ_REV_TRACE records clock64 at 29 points of each role's chunk loop
- * (chunks 0..7 of CTA 0) for fq_rev_trace_dump (dev/cuda/check_bwd.cu `one`) */
+ * (chunks 0..7 of CTA 0), copied out by fq_rev_trace_copy (printed by dev/cuda/check_bwd.cu `one`) */
 #ifdef FQ_REV_TRACE
 __device__ long long fq_rev_tr[8][32];
 #define FQ_TR(slot) do { if (blockIdx.x == 0 && st < 8 && (threadIdx.x & 127) == (threadIdx.x < 128 && (slot) < 6 ? ((slot) < 4 ? 32 : 96) : 0)) fq_rev_tr[st][slot] = clock64(); } while (0)
@@ -147,24 +145,6 @@ enum {
     RB_VRFULL = 18,     /* V: its dbeta slots written, 128  */
     RB_VREMPTY = 19     /* W: those slots read, 128         */
 };
-
-/* mbarrier wait with a suspend-time hint (as CUTLASS's ClusterBarrier::wait): the
- * waiting warp sleeps until the phase completes instead of re-issuing try_wait, so
- * the roles that wait leave the issue slots and the MIO pipe to the ones that work */
-static __device__ __forceinline__ void fq_rev_wait(uint64_t *bar, uint32_t parity)
-{
-#ifdef FQ_REV_WAIT_SPIN
-    fq_mbar_wait(bar, parity);
-#else
-    asm volatile(
-        "{\n.reg .pred ok;\n"
-        "FQ_REV_WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 ok, [%0], %1, %2;\n"
-        "@!ok bra FQ_REV_WAIT_%=;\n}\n" ::"r"(fq_smem_u32(bar)),
-        "r"(parity), "r"(0x989680)
-        : "memory");
-#endif
-}
 
 /* bar.red.or over a named barrier: 1 if any of the n threads passes pred != 0 */
 static __device__ __forceinline__ int fq_rev_bar_or(int id, int n, int pred)
@@ -260,7 +240,7 @@ __global__ void __launch_bounds__(512, 1)
                 const int i = nch - 1 - st, s = st & 1;
                 const int row = bos + 64 * i, tile = (chunk0 + i) * HV + j;
                 /* KA (two stages) */
-                if (st >= 2) fq_rev_wait(&bar[RB_EMPTY_KA + s], ((st >> 1) - 1) & 1);
+                if (st >= 2) fq_mbar_wait(&bar[RB_EMPTY_KA + s], ((st >> 1) - 1) & 1);
                 unsigned char *ka = smem + SM::off_ka + s * SM::KA;
                 float *vec = (float *)(smem + SM::off_vec) + s * SM::vec_floats;
                 uint64_t *fk = &bar[RB_FULL_KA + s];
@@ -271,7 +251,7 @@ __global__ void __launch_bounds__(512, 1)
                 FQ_TR(26);
                 for (int kt = 0; kt < 2; kt++) fq_tma_load_3d(ka + kt * FQ_TILE, &tm_k, fk, 64 * kt, hq, row);
                 /* QO */
-                if (st >= 1) fq_rev_wait(&bar[RB_EMPTY_QO], (st - 1) & 1);
+                if (st >= 1) fq_mbar_wait(&bar[RB_EMPTY_QO], (st - 1) & 1);
                 fq_mbar_arrive_tx(&bar[RB_FULL_QO], qo_bytes);
                 FQ_TR(27);
                 for (int kt = 0; kt < 2; kt++) {
@@ -280,7 +260,7 @@ __global__ void __launch_bounds__(512, 1)
                         fq_tma_load_3d(smem + SM::off_do + kt * FQ_TILE, &tm_do, &bar[RB_FULL_QO], 64 * kt, j, row);
                 }
                 /* HVV */
-                if (st >= 1) fq_rev_wait(&bar[RB_EMPTY_HVV], (st - 1) & 1);
+                if (st >= 1) fq_mbar_wait(&bar[RB_EMPTY_HVV], (st - 1) & 1);
                 fq_mbar_arrive_tx(&bar[RB_FULL_HVV], hvv_bytes);
                 FQ_TR(28);
                 for (int vt = 0; vt < 2; vt++) {
@@ -304,7 +284,7 @@ __global__ void __launch_bounds__(512, 1)
                 unsigned char *ka = smem + SM::off_ka + s * SM::KA;
                 float *vec = (float *)(smem + SM::off_vec) + s * SM::vec_floats;
                 /* KA: the vectors first (rk for K^), then K^ = diag(rk) K, A's padding */
-                fq_rev_wait(&bar[RB_FULL_KA + s], (st >> 1) & 1);
+                fq_mbar_wait(&bar[RB_FULL_KA + s], (st >> 1) & 1);
                 FQ_TR(0);
                 {
                     const int r = tk;
@@ -334,7 +314,7 @@ __global__ void __launch_bounds__(512, 1)
                 fq_mbar_arrive(&bar[RB_CHK_KA + s]);
                 FQ_TR(1);
                 /* QO */
-                fq_rev_wait(&bar[RB_FULL_QO], st & 1);
+                fq_mbar_wait(&bar[RB_FULL_QO], st & 1);
                 FQ_TR(2);
                 fq_rev_rows(smem + SM::off_q, 2, len, NULL, tk, 64);
                 if (args.do_tma) {
@@ -362,7 +342,7 @@ __global__ void __launch_bounds__(512, 1)
             const int tk = tid - 96;
             for (int st = 0; st < nch; st++) {
                 const int i = nch - 1 - st, len = min(64, slen - 64 * i);
-                fq_rev_wait(&bar[RB_FULL_HVV], st & 1);
+                fq_mbar_wait(&bar[RB_FULL_HVV], st & 1);
                 FQ_TR(4);
                 int wrote = len < 64;
                 fq_rev_rows(smem + SM::off_v, 2, len, NULL, tk, 32);
@@ -413,7 +393,7 @@ __global__ void __launch_bounds__(512, 1)
             const unsigned char *ka = smem + SM::off_ka + s * SM::KA;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
             /* publish D' = bf16(dS'^T) [v][kd]: tall tile kd / 64, row v */
-            if (st >= 1) fq_rev_wait(&bar[RB_DEMPTY], (st - 1) & 1);
+            if (st >= 1) fq_mbar_wait(&bar[RB_DEMPTY], (st - 1) & 1);
             FQ_TR(6);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
@@ -428,13 +408,13 @@ __global__ void __launch_bounds__(512, 1)
             fq_mbar_arrive(&bar[RB_DFULL]);
             FQ_TR(7);
             /* dS^T = e^{gamma_C} dS'^T + (dO^T diag(qg)) Q */
-            fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+            fq_mbar_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
             const float eC = __expf(vec[SM::VG + 63]);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
 #pragma unroll
                 for (int e = 0; e < 64; e++) acc[mh][e] *= eC;
-            fq_rev_wait(&bar[RB_CHK_QO], st & 1);
+            fq_mbar_wait(&bar[RB_CHK_QO], st & 1);
             const uint64_t dqm = fq_dmn(smem + SM::off_q);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
@@ -457,7 +437,7 @@ __global__ void __launch_bounds__(512, 1)
             fq_mbar_arrive(&bar[RB_EMPTY_QO]);
             FQ_TR(8);
             /* dS^T -= Z'^T K^ (Z' [c][v] and K^ [c][kd] both MN-major) */
-            fq_rev_wait(&bar[RB_ZFULL], st & 1);
+            fq_mbar_wait(&bar[RB_ZFULL], st & 1);
             FQ_TR(9);
             const uint64_t dkn = fq_dmn(ka);
             fq_wgmma_fence();
@@ -500,8 +480,8 @@ __global__ void __launch_bounds__(512, 1)
             const int len = min(64, slen - 64 * i), row0 = bos + 64 * i, tile = (chunk0 + i) * HV + j;
             const unsigned char *ka = smem + SM::off_ka + s * SM::KA;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
-            fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
-            fq_rev_wait(&bar[RB_CHK_QO], st & 1);
+            fq_mbar_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+            fq_mbar_wait(&bar[RB_CHK_QO], st & 1);
             FQ_TR(11);
             /* P = lower_incl(Q K^^T ⊙ Gamma) diag(pq) (rows r: pq_r = scale rq_r), by selects */
             {
@@ -525,7 +505,7 @@ __global__ void __launch_bounds__(512, 1)
                         const float x = pacc[4 * nb + e] * pr[h] * __expf(gr[h] - vec[SM::VG + c]);
                         pacc[4 * nb + e] = c <= r ? x : 0.f;
                     }
-                if (st >= 1) fq_rev_wait(&bar[RB_ZEMPTY], (st - 1) & 1); /* S done with Z' (P's tile) */
+                if (st >= 1) fq_mbar_wait(&bar[RB_ZEMPTY], (st - 1) & 1); /* S done with Z' (P's tile) */
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
                     uint32_t pf[4];
@@ -538,7 +518,7 @@ __global__ void __launch_bounds__(512, 1)
             }
             /* X^T = D' K^^T per half of v (D' [v][kd] and K^ [r][kd] K-major) */
             float x[2][32];
-            fq_rev_wait(&bar[RB_DFULL], st & 1);
+            fq_mbar_wait(&bar[RB_DFULL], st & 1);
             FQ_TR(13);
             {
                 const uint64_t dk = fq_dkm(ka);
@@ -592,7 +572,7 @@ __global__ void __launch_bounds__(512, 1)
              * non-finite elements to 0 in place unless gamma_C is not finite (causality, as
              * bwd_wy's dVn; rare), the chain's Z raw */
             int bad = 0;
-            if (st >= 1) fq_rev_wait(&bar[RB_VEMPTY], (st - 1) & 1);
+            if (st >= 1) fq_mbar_wait(&bar[RB_VEMPTY], (st - 1) & 1);
             FQ_TR(15);
 #pragma unroll
             for (int mh = 0; mh < 2; mh++)
@@ -656,7 +636,7 @@ __global__ void __launch_bounds__(512, 1)
                 fq_wgmma_wait<0>();
                 fq_reg_fence(z);
             }
-            fq_rev_wait(&bar[RB_CHK_HVV], st & 1);
+            fq_mbar_wait(&bar[RB_CHK_HVV], st & 1);
             float xv[2] = {0.f, 0.f};
             /* dbeta's V part: xv_c = sum_v Z[c][v] V[c][v] (V's row c: the 16-byte piece of
              * column block nb sits at piece nb ^ (c & 7) of its tile, SWIZZLE_128B) */
@@ -692,7 +672,7 @@ __global__ void __launch_bounds__(512, 1)
             }
             fq_mbar_arrive(&bar[RB_EMPTY_HVV]);
             const float xv0 = fq_quad_sum(xv[0]), xv1 = fq_quad_sum(xv[1]);
-            if (st >= 1) fq_rev_wait(&bar[RB_VREMPTY], (st - 1) & 1);
+            if (st >= 1) fq_mbar_wait(&bar[RB_VREMPTY], (st - 1) & 1);
             if (t == 0) {
                 vdb[c0] = xv0;
                 vdb[c0 + 8] = xv1;
@@ -715,9 +695,9 @@ __global__ void __launch_bounds__(512, 1)
             unsigned char *ka = smem + SM::off_ka + s * SM::KA;
             const unsigned char *sK = ka, *sA = ka + 2 * FQ_TILE;
             const float *vec = (const float *)(smem + SM::off_vec) + s * SM::vec_floats;
-            fq_rev_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
-            fq_rev_wait(&bar[RB_FULL_HVV], st & 1); /* h, Vn: nobody checks them; V (checked) before dA */
-            fq_rev_wait(&bar[RB_DFULL], st & 1);
+            fq_mbar_wait(&bar[RB_CHK_KA + s], (st >> 1) & 1);
+            fq_mbar_wait(&bar[RB_FULL_HVV], st & 1); /* h, Vn: nobody checks them; V (checked) before dA */
+            fq_mbar_wait(&bar[RB_DFULL], st & 1);
             FQ_TR(19);
             /* F1 = Vn D'^T = Vn dS'^T [r][kd] (Vn K-major; D' [v][kd] MN-major, N = kd over
              * the two tall tiles) */
@@ -789,7 +769,7 @@ __global__ void __launch_bounds__(512, 1)
                 }
             }
             /* dW = -dVn S^T [r][kd] (dVn^T [v][r] MN-major; h [kd][v] K-major, N = kd 128 rows) */
-            fq_rev_wait(&bar[RB_VFULL], st & 1);
+            fq_mbar_wait(&bar[RB_VFULL], st & 1);
             FQ_TR(21);
             fq_wgmma_fence();
             {
@@ -849,7 +829,7 @@ __global__ void __launch_bounds__(512, 1)
             /* dA = dW K^T diag(bg) + dVn V^T diag(beta) -> dA^T [s][r] (bf16, non-finite -> 0) */
             {
                 float d1[32], d2[32];
-                fq_rev_wait(&bar[RB_CHK_HVV], st & 1); /* V, checked */
+                fq_mbar_wait(&bar[RB_CHK_HVV], st & 1); /* V, checked */
                 fq_wgmma_fence();
                 {
                     const uint64_t dw = fq_dkm(sVn), dk = fq_dkm(sK), dv = fq_dmn(sDvn), dvv = fq_dkm(sV);
@@ -989,7 +969,7 @@ __global__ void __launch_bounds__(512, 1)
             fq_wgmma_commit();
             /* dg = reverse cumsum of dgamma, dbeta (warp 0) meanwhile; V's dbeta slots summed
              * into sdbp's second half first */
-            fq_rev_wait(&bar[RB_VRFULL], st & 1);
+            fq_mbar_wait(&bar[RB_VRFULL], st & 1);
             FQ_TR(24);
             if (w == 0) {
                 for (int r = lane; r < 64; r += 32) sdbp[64 + r] = vdb[r];
@@ -1104,16 +1084,9 @@ fq_status fq_bwd_rev90_launch(const fq_gdn_params *p, const fq_bwd_args &a, cons
 }
 
 #ifdef FQ_REV_TRACE
-#include <stdio.h>
-extern "C" void fq_rev_trace_dump(void)
+/* (dev) the trace of the last run: t[c][slot], clock64 values, 0 where not recorded */
+extern "C" cudaError_t fq_rev_trace_copy(long long t[8][32])
 {
-    long long h[8][32];
-    cudaMemcpyFromSymbol(h, fq_rev_tr, sizeof h);
-    const long long t0 = h[0][26];
-    for (int c = 0; c < 8; c++) {
-        printf("trace chunk %d:", c);
-        for (int k = 0; k < 29; k++) printf(" %lld", h[c][k] ? (h[c][k] - t0) : -1);
-        printf("\n");
-    }
+    return cudaMemcpyFromSymbol(t, fq_rev_tr, 8 * 32 * sizeof(long long));
 }
 #endif

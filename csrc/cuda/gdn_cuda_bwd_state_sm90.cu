@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(384, 1)
 
     if (wg == 0) {
         /* ---------------------------------------------------- producer ---- */
-        fq_setmaxnreg_dec40();
+        fq_setmaxnreg_dec<40>();
         if (tid == 0) {
             const int qdo = !mblk; /* (MAP's M blocks: no Q, no dO) */
             const uint32_t bytes = (uint32_t)(3 + (qdo ? 2 + (args.do_tma ? 1 : 0) : 0)) * FQ_TILE + 512;

@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(FQ_FUSED_THREADS(MODE), MODE == FQ_FUSED_MAP ?
 
     if (role == 0) {
         /* ---------------------------------------------------- producer ---- */
-        fq_setmaxnreg_dec40();
+        fq_setmaxnreg_dec<40>();
         if (tid == 0) {
             for (int i = 0; i < nch; i++) {
                 const int s = i % NS;

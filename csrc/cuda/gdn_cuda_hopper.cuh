@@ -139,12 +139,6 @@ template <int N> static __device__ __forceinline__ void fq_setmaxnreg_inc(void)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
 #endif
 }
-static __device__ __forceinline__ void fq_setmaxnreg_dec40(void)
-{
-#if FQ_SM90A
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-#endif
-}
 template <int N> static __device__ __forceinline__ void fq_setmaxnreg_dec(void)
 {
 #if FQ_SM90A

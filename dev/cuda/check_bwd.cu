@@ -42,7 +42,21 @@
 
 extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev);
 #ifdef FQ_REV_TRACE
-extern "C" void fq_rev_trace_dump(void);
+extern "C" cudaError_t fq_rev_trace_copy(long long t[8][32]);
+/* bwd_rev90's per-role clock trace (a dev build with -DFQ_REV_TRACE), relative to the
+ * producer's first KA issue (slot 26 of chunk 0), -1 where not recorded; the lines that
+ * dev/cuda/trace_rev.py digests */
+static void rev_trace_print(void)
+{
+    long long h[8][32];
+    if (fq_rev_trace_copy(h) != cudaSuccess) { printf("trace: copy failed\n"); return; }
+    const long long t0 = h[0][26];
+    for (int c = 0; c < 8; c++) {
+        printf("trace chunk %d:", c);
+        for (int k = 0; k < 29; k++) printf(" %lld", h[c][k] ? (h[c][k] - t0) : -1);
+        printf("\n");
+    }
+}
 #endif
 
 
@@ -623,7 +637,7 @@ static void one_case(int B, int T, int H, int HV)
     CK(cudaDeviceSynchronize());
     printf("one backward %d/%d %dx%d done\n", H, HV, B, T);
 #ifdef FQ_REV_TRACE
-    fq_rev_trace_dump(); /* (a dev build with -DFQ_REV_TRACE: bwd_rev90's per-role clock trace) */
+    rev_trace_print();
 #endif
     release(d);
 }
