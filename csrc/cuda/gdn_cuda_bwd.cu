@@ -138,16 +138,16 @@ static int fq_bwd_rev_path(const fq_gdn_params *p)
  * FQ_CP_SMS SMs. Fewer than three: none (two would gain nothing). */
 static int fq_bwd_nseg_max(const fq_gdn_params *p)
 {
-    if (p->K == 128 && p->V == 128 && fq_bwd_rev_path(p)) {
+    int64_t n;
+    if (fq_bwd_rev_path(p)) { /* (K = V = 128: fq_bwd_sm90_path) */
         const int64_t units = p->N * p->HV;
         if (units <= 0 || units >= FQ_CP_SMS / 2) return 1;
-        int64_t n = FQ_CP_SMS / units;
-        if (n > 16) n = 16;
-        return n < 3 ? 1 : (int)n;
+        n = FQ_CP_SMS / units;
+    } else {
+        const int64_t map = p->HV * ((p->K + p->V) / 64);
+        if (map <= 0) return 1;
+        n = 1 + FQ_CP_SMS / map;
     }
-    const int64_t map = p->HV * ((p->K + p->V) / 64);
-    if (map <= 0) return 1;
-    int64_t n = 1 + FQ_CP_SMS / map;
     if (n > 16) n = 16;
     return n < 3 ? 1 : (int)n;
 }
