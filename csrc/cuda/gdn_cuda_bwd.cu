@@ -96,6 +96,7 @@ typedef struct fq_bwd_ws {
     fq_bf16 *dsl;  /* [nc, HV, K, V]; before step 3 the fused recompute's own workspace */
     float *dgam;   /* [nc, HV, 64]     */
     float *dkp;    /* [B*T, H, K]: bwd_local's dK_O summed over the GVA group (given_a: in W's place when it fits) */
+    fq_bf16 *dkw;  /* [B*T, HV, K] bf16: bwd_rev90's dK per value head (in U's place), else NULL */
     int *aflag;    /* [nc, HV] stage A's flags (gdn_cuda_fwd_wy.cu), bwd_state90's W poison; then
                       the count and the list of the flagged items ([1 + nc HV]) */
     /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
@@ -189,9 +190,23 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
         off += fq_bwd_align((size_t)(bytes));                              \
     } while (0)
     FQ_CARVE(ws->a, fq_bf16 *, nc * HV * 64 * 64 * 2);
-    /* (sized for both of its lives, whether or not the fused kernel runs here) */
-    const size_t dsl_bytes = (size_t)(nc * HV * K * V * 2), fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
+    /* dsl: sized for both of its lives, whether or not the fused kernel runs here; where
+     * bwd_rev90 runs, dS_next is never stored: the fused recompute's part alone */
+    const int rev = fq_bwd_rev_path(p);
+    const size_t dsl_bytes = rev ? 0 : (size_t)(nc * HV * K * V * 2),
+                 fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
+    /* bwd_rev90's dK per value head, [B*T, HV, K] bf16: in U's place (U [nc, HV, 64, V]
+     * bf16 is dead after step 2 and dvl is bwd_state90's alone; K = V there and 64 nc >= B*T) */
+    ws->dkw = NULL;
+    if (rev) {
+        const size_t dkw_bytes = (size_t)(BT * HV * K * 2), u_bytes = (size_t)(nc * HV * 64 * V * 2);
+        if (u_bytes >= dkw_bytes) {
+            ws->dkw = ws->f.u; /* (the three-stage recompute still forms U there first) */
+        } else {
+            FQ_CARVE(ws->dkw, fq_bf16 *, dkw_bytes);
+        }
+    }
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
     /* dK_O's buffer: where W is never formed (given_a), in W's place when that is
      * large enough (W is [nc, HV, 64, K] bf16, dK_O [B*T, H, K] fp32: at HV >= 2 H) */
@@ -305,7 +320,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     args.dsl = ws.dsl;
     args.dgam = ws.dgam;
     args.dkp = ws.dkp;
-    args.dkw = (float *)ws.dsl; /* (bwd_rev90: [B*T, HV, K] fp32 fits dsl's [nc, HV, K, V] bf16 as nc 64 >= B*T) */
+    args.dkw = ws.dkw;
     args.aflag = ws.aflag;
     args.q = p->q;
     args.k = p->k;

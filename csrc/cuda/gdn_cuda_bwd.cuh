@@ -117,7 +117,7 @@ struct fq_bwd_args {
     fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4); bwd_state90: dS_next only */
     float *dgam;       /* [nc, HV, 64] dgamma of step 3                          */
     float *dkp;        /* [B*T, H, K] bwd_local's dK_O summed over the GVA group  */
-    float *dkw;        /* [B*T, HV, K] the reverse pass's dK per value head (bwd_rev90; dsl's memory) */
+    fq_bf16 *dkw;      /* [B*T, HV, K] bf16: the reverse pass's dK per value head (bwd_rev90; U's memory) */
     const int *aflag;  /* [nc, HV] 1 where an item's W has NaN rows (a non-finite input before
                           the chunk's last token: stage A's rules): bwd_state90, which never
                           forms W, then makes the item's update NaN as W's rows would */

@@ -28,7 +28,7 @@
  *                     dgamma += rowsum(z) - colsum(z)
  *   Gl   = diag(beta) dL ⊙ Gamma,  dK += Gl K^ + Gl^T K^
  *   dg   = reverse cumsum(dgamma + bwd_local's dgamma) in the chunk
- * dK (w.r.t. K^, per value head, fp32) goes to a.dkw; fq_bwd_dk_finish_kernel
+ * dK (w.r.t. K^, per value head, rounded to bf16) goes to a.dkw; fq_bwd_dk_finish_kernel
  * sums it over the GVA group with bwd_local's dK_O (a.dkp) and applies the
  * L2-norm backward. With dv, dbeta and dg stored here, bwd_wy has nothing left.
  *
@@ -982,14 +982,16 @@ __global__ void __launch_bounds__(512, 1)
             fq_reg_fence(dK);
             fq_mbar_arrive(&bar[RB_EMPTY_KA + s]);
             FQ_TR(25);
-            /* dK (w.r.t. K^, this value head) -> a.dkw [rows][HV][K] fp32, a row pointer each */
+            /* dK (w.r.t. K^, this value head) -> a.dkw [rows][HV][K] bf16 (the group's partial
+             * sums, FlashQLA's choice too: one rounding per value head, under the 1e-2 budget;
+             * half the bytes of fp32), a row pointer each */
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = 16 * w + g + 8 * h;
-                float2 *pr = (float2 *)(a.dkw + ((int64_t)(row0 + r) * HV + j) * K + 2 * t);
+                uint32_t *pr = (uint32_t *)(a.dkw + ((int64_t)(row0 + r) * HV + j) * K + 2 * t);
                 if (r < len) {
 #pragma unroll
-                    for (int nb = 0; nb < 16; nb++) pr[4 * nb] = make_float2(dK[4 * nb + 2 * h], dK[4 * nb + 2 * h + 1]);
+                    for (int nb = 0; nb < 16; nb++) pr[4 * nb] = fq_pack_bf16(dK[4 * nb + 2 * h], dK[4 * nb + 2 * h + 1]);
                 }
             }
         }
@@ -1011,8 +1013,9 @@ __global__ void __launch_bounds__(256) fq_bwd_dk_finish_kernel(fq_bwd_args a)
         const int64_t row = ci.row0 + r, o = (row * H + hq) * K + 4 * lane;
         float4 y = *(const float4 *)(a.dkp + o);
         for (int jj = 0; jj < G; jj++) {
-            const float4 x = *(const float4 *)(a.dkw + (row * HV + hq * G + jj) * K + 4 * lane);
-            y.x += x.x, y.y += x.y, y.z += x.z, y.w += x.w;
+            const uint2 x = *(const uint2 *)(a.dkw + (row * HV + hq * G + jj) * K + 4 * lane);
+            const float2 x01 = fq_unpack_bf16(x.x), x23 = fq_unpack_bf16(x.y);
+            y.x += x01.x, y.y += x01.y, y.z += x23.x, y.w += x23.y;
         }
         if (a.rk) {
             const float rk = a.rk[row * H + hq];

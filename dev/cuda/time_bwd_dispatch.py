@@ -15,9 +15,10 @@ import torch  # noqa: E402
 import bench_gpu as bg  # noqa: E402
 from prof_bwd_kernels import spec_of  # noqa: E402
 
-# N * HV: 72, 96, 128, 160, 256 at HV = 32 or 8 (one wave = 132)
-LADDER = ["16", "32", "4096x2", "16", "32", "4096x3", "16", "32", "4096x4", "16", "32", "4096x5",
-          "4", "8", "4096x9", "4", "8", "4096x12", "4", "8", "4096x16", "16", "32", "4096x8", "4", "8", "4096x32"]
+# N * HV from 40 to 256 at HV = 4, 8, 16, 32 (one wave = 132)
+LADDER = [x for H, HV, ns in ((16, 32, (2, 3, 4, 5, 8)), (8, 16, (4, 6, 8, 12)), (4, 8, (5, 6, 9, 12, 16, 20, 32)),
+                              (2, 4, (16, 24, 33, 48)))
+          for n in ns for x in (str(H), str(HV), f"4096x{n}")]
 
 
 def main():
