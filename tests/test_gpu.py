@@ -61,14 +61,15 @@ GPU_CASES = {
     # 64-row h slices in bwd_local and its K-split bwd_state
     "bf16-K256-varlen-gva": _case(1, 0, 2, 4, 256, 256, seqlens=[1, 63, 64, 65, 0, 100]),
     "fp32-K256-l2norm": _case(1, 130, 1, 2, 256, 256, dtype="float32", l2norm=True),
-    # sequences x value heads in [110, 132] (a nearly full wave of 132 SMs): on sm_90a the
-    # backward's reverse pass is the fused kernel bwd_rev90 there (fq_bwd_rev_path), the cases
-    # above take bwd_state90 + bwd_wy90; its dv stores have a bf16 path and a generic one (fp16,
-    # fp32 outputs)
+    # sequences x value heads filling enough of a wave of 132 SMs (>= 0.83 at HV >= 32, 0.6 at
+    # HV = 16, 0.45 below): on sm_90a the backward's reverse pass is the fused kernel bwd_rev90
+    # there (fq_bwd_rev_path), the cases above take bwd_state90 + bwd_wy90; its dv stores have a
+    # bf16 path and a generic one (fp16, fp32 outputs)
     "rev90-bf16-batch": _case(4, 200, 8, 32, 128, 128),
     "rev90-fp16-varlen-l2norm": _case(1, 0, 4, 16, 128, 128, dtype="float16", l2norm=True,
                                       seqlens=[1, 63, 0, 64, 65, 300, 7, 130]),
     "rev90-fp32-no-h0": _case(2, 130, 16, 64, 128, 128, dtype="float32", h0=False),
+    "rev90-hv8-partial-wave": _case(9, 150, 4, 8, 128, 128),
 }
 
 

@@ -109,13 +109,19 @@ static size_t fq_bwd_align(size_t x) { return (x + 255) & ~(size_t)255; }
 /* 1: the reverse pass is bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu: the chain and
  * bwd_wy's products in one kernel), else bwd_state90 + bwd_wy90; only where
  * fq_bwd_sm90_path. bwd_rev90 runs one CTA per (sequence, value head), its chunk a
- * serial step: a cost per wave of CTAs, ~11.4 us a chunk, plus its dk sum (~0.02 us
- * per (chunk, value head)); the two-kernel form costs ~4.9 us a chunk per wave (the
- * chain) plus bwd_wy90's chunk-parallel grid (~0.089 us per (chunk, value head)).
- * (H100, 16/32 8 x 4096: 1.78 ms against 2.07, benchmarks/NOTES.md session 22.) So
- * bwd_rev90 wins where the waves are nearly full, units = N HV >= 110 per wave of
- * FQ_CP_SMS (5/6 of it: the break-even at 95, with a margin), and loses where
- * context parallelism must split the chains (1 x 32768 at 16/32: 2.44 against 2.30).
+ * serial step of ~11.4 us (H100), for whole waves of FQ_CP_SMS CTAs; the two-kernel
+ * form's chain is cheaper per chunk (~4.9 us) but its bwd_wy90 grid costs per
+ * (chunk, value head), and more so the fewer value heads there are. Measured side by
+ * side on the H100 (dev/cuda/time_bwd_dispatch.py, 4096-token sequences, the whole
+ * backward; benchmarks/NOTES.md session 23), with fill = N HV / (waves x FQ_CP_SMS):
+ *   HV = 32: fill 0.48 old 0.89 / rev 1.12 ms, 0.73 1.37 / 1.35, 0.97 1.71 / 1.56,
+ *            two waves at 0.61 2.18 / 2.39, at 0.97 3.34 / 3.02
+ *   HV = 16: 0.48 1.36 / 1.38, 0.73 2.04 / 1.72, 0.97 2.66 / 2.07, two at 0.73 3.91 / 3.29
+ *   HV = 8:  0.36 1.20 / 1.28, 0.55 1.74 / 1.56, 0.73 2.28 / 1.82, two at 0.61 3.72 / 3.15
+ *   HV = 4:  0.48 1.72 / 1.46, 0.73 2.51 / 1.83, 1.00 3.39 / 2.26
+ * so bwd_rev90 where fill >= 0.83 at HV >= 32, 0.6 at 16 <= HV < 32, 0.45 below, and
+ * never with context parallelism (N HV <= 44 splits the chains: 16/32 1 x 32768 3.84
+ * against 3.75, 2/4 1 x 32768 0.92 against 0.77).
  * FLASHQLA_CUDA_BWD_REVERSE=1 / 0 (read once) forces one or the other, for tests and
  * timing. */
 static int fq_bwd_rev_path(const fq_gdn_params *p)
@@ -128,7 +134,10 @@ static int fq_bwd_rev_path(const fq_gdn_params *p)
     if (env == 0 || !fq_bwd_sm90_path(p)) return 0;
     if (env == 1) return 1;
     const int64_t units = p->N * p->HV, waves = (units + FQ_CP_SMS - 1) / FQ_CP_SMS;
-    return units >= 110 * waves;
+    if (3 * units <= FQ_CP_SMS) return 0; /* (fq_bwd_nseg_max would split the chains) */
+    /* fill >= 0.83 / 0.6 / 0.45 of the waves, in integers: units * 100 >= thr * waves * SMs */
+    const int64_t thr = p->HV >= 32 ? 83 : p->HV >= 16 ? 60 : 45;
+    return units * 100 >= thr * waves * FQ_CP_SMS;
 }
 
 /* Segments per sequence at most for the reverse pass's context parallelism.
