@@ -9,7 +9,7 @@
 #   FQ_NCU=x    Nsight Compute's source counters (warp-state samples per SASS instruction) of
 #               bwd_rev90 in check_bwd_x (default k) `one 8 4096 16 32` -> $OUT/rev_sass.csv.xz
 #               and the details page; FQ_NONCU=1 leaves ncu out
-#   FQ_SAN=1    with FQ_FULL: compute-sanitizer memcheck + racecheck of its small cases, last
+#   FQ_SAN=1    with FQ_FULL: compute-sanitizer memcheck + racecheck of its small cases (bwd_rev90 forced), last
 # Map the SASS samples to source lines here with nvdisasm -g of the same binary's cubin.
 set -u
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -47,8 +47,10 @@ ls -la $OUTDIR
 grep -E "Duration|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Active Warps Per" $OUTDIR/rev_details.csv | head -12
 fi
 if [ -n "${FQ_SAN:-}" ] && [ -n "${FQ_FULL:-}" ]; then
-    echo "=== $FQ_FULL memcheck and racecheck, small"
-    fq_sanitize_pair "$OUTDIR/san" 100 $BIN/check_bwd_$FQ_FULL small small
+    echo "=== $FQ_FULL memcheck and racecheck, small, bwd_rev90 forced"
+    # (before session 23 this ran without FLASHQLA_CUDA_BWD_REVERSE=1: the small cases took
+    # bwd_state90 + bwd_wy90 by the shape rule, so bwd_rev90 itself was never sanitized)
+    FLASHQLA_CUDA_BWD_REVERSE=1 fq_sanitize_pair "$OUTDIR/san" 100 $BIN/check_bwd_$FQ_FULL small small
 fi
 echo "=== per row (ms): total rec loc st wy at $(( $(date +%s) - T0 )) s"
 for f in $(cd $OUTDIR && ls time_*.log | sed 's/.log$//'); do
