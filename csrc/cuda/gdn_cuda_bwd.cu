@@ -190,7 +190,13 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     fq_bwd_ws tmp;
     if (!ws) ws = &tmp;
     memset(ws, 0, sizeof *ws);
-    size_t off = fq_cuda_fwd_ws_layout(p, base_, &ws->f);
+    /* bwd_rev90's path with given_a: nothing reads or writes W (A replaces it, dK_O is
+     * summed by bwd_local90 itself): the forward's layout without it */
+    const int rev = fq_bwd_rev_path(p);
+    fq_fwd_ws probe;
+    fq_cuda_fwd_ws_layout(p, NULL, &probe); /* (nc_max) */
+    const int no_w = rev && fq_bwd_given_a(p, probe.nc_max * p->HV);
+    size_t off = fq_cuda_fwd_ws_layout_w(p, base_, &ws->f, !no_w);
     char *base = (char *)base_;
     const int64_t nc = ws->f.nc_max, HV = p->HV, K = p->K, V = p->V, BT = p->B * p->T;
 #define FQ_CARVE(ptr, type, bytes)                                         \
@@ -201,7 +207,6 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     FQ_CARVE(ws->a, fq_bf16 *, nc * HV * 64 * 64 * 2);
     /* dsl: sized for both of its lives, whether or not the fused kernel runs here; where
      * bwd_rev90 runs, dS_next is never stored: the fused recompute's part alone */
-    const int rev = fq_bwd_rev_path(p);
     const size_t dsl_bytes = rev ? 0 : (size_t)(nc * HV * K * V * 2),
                  fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
@@ -217,10 +222,13 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
         }
     }
     FQ_CARVE(ws->dgam, float *, nc * HV * 64 * 4);
-    /* dK_O's buffer: where W is never formed (given_a), in W's place when that is
-     * large enough (W is [nc, HV, 64, K] bf16, dK_O [B*T, H, K] fp32: at HV >= 2 H) */
+    /* dK_O's buffer (bwd_state90 + bwd_wy90's path only): where W is never formed
+     * (given_a), in W's place when that is large enough (W is [nc, HV, 64, K] bf16,
+     * dK_O [B*T, H, K] fp32: at HV >= 2 H) */
     const size_t w_bytes = (size_t)(nc * HV * 64 * K * 2), dkp_bytes = (size_t)(BT * p->H * K * 4);
-    if (fq_bwd_given_a(p, nc * HV) && w_bytes >= dkp_bytes) {
+    if (rev) {
+        ws->dkp = NULL;
+    } else if (fq_bwd_given_a(p, nc * HV) && w_bytes >= dkp_bytes) {
         ws->dkp = (float *)ws->f.w;
         ws->f.w = NULL;
     } else {
@@ -352,14 +360,19 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
 
     /* 3-6 (each launcher checks K, V; fq_cuda_fwd_check_sizes already did) */
     const int64_t nc = ws.f.nc_max;
-    if ((st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
+    const int rev = fq_bwd_rev_path(p);
+    if (!rev && (st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
     if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[1], stream));
     const int cp = fq_bwd_cp(&ws);
     if (cp && (st = fq_cuda_fwd_segments(p, &ws.seg, 0, stream)) != FQ_OK) return st;
-    if (fq_bwd_rev_path(p)) {
-        /* 4 + 5 + 6 for dk: the chain and bwd_wy's products in one kernel, then dk's sum */
+    if (rev) {
+        /* 4 + 5: the chain and bwd_wy's products in one kernel (its dgamma in dgam, its
+         * dK per value head in dkw), then 3 + 6: bwd_local90 finishes dq, dk and dg
+         * (events: "st" = bwd_rev90, "wy" = bwd_local90 there) */
+        args.dkp = NULL;
         if ((st = fq_bwd_rev90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
+        if ((st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));
     } else {
         if (fq_bwd_sm90_path(p)) {

@@ -115,9 +115,10 @@ struct fq_bwd_args {
     const fq_bf16 *w, *h, *vn, *a;
     fq_bf16 *dvl;      /* [nc, HV, 64, V]: dv_local (step 3), then dVn (step 4); bwd_state90: dVn only */
     fq_bf16 *dsl;      /* [nc, HV, K, V]:  dS_local (step 3), then dS_next (step 4); bwd_state90: dS_next only */
-    float *dgam;       /* [nc, HV, 64] dgamma of step 3                          */
-    float *dkp;        /* [B*T, H, K] bwd_local's dK_O summed over the GVA group  */
-    fq_bf16 *dkw;      /* [B*T, HV, K] bf16: the reverse pass's dK per value head (bwd_rev90; U's memory) */
+    float *dgam;       /* [nc, HV, 64] dgamma of step 3 (bwd_rev90's path: of bwd_rev90, for bwd_local90) */
+    float *dkp;        /* [B*T, H, K] bwd_local's dK_O summed over the GVA group (not on bwd_rev90's path) */
+    fq_bf16 *dkw;      /* [B*T, HV, K] bf16: bwd_rev90's dK per value head (U's memory); given, bwd_local90
+                          runs after bwd_rev90 and finishes dk and dg (else NULL) */
     const int *aflag;  /* [nc, HV] 1 where an item's W has NaN rows (a non-finite input before
                           the chunk's last token: stage A's rules): bwd_state90, which never
                           forms W, then makes the item's update NaN as W's rows would */
@@ -159,21 +160,46 @@ struct fq_bwd_cp_args {
  * (the mma.sync kernels of gdn_cuda_bwd_fused.cu and the wgmma ones of
  * gdn_cuda_bwd_fused_sm90.cu: the same fragment shape per thread) */
 
+/* dg_r = sum_{s >= r} dgamma_s for the rows < len of value head j, warp 0 (lane l
+ * holds dgamma of rows 2l, 2l + 1 in x0, x1): suf = the inclusive suffix sum of the
+ * lanes' pairs, after = that of the lanes above (never suf - pair: a NaN or a large
+ * finite dgamma of a row at or before r would reach dg_r through the subtraction,
+ * which the reference's dg_r never sees) */
+static __device__ __forceinline__ void fq_bwd_dg_store(const fq_bwd_args &a, float x0, float x1, int len, int64_t row0,
+                                                       int j, int lane)
+{
+    const int HV = a.HV;
+    float suf = x0 + x1;
+    for (int o = 1; o < 32; o <<= 1) {
+        const float yv = __shfl_down_sync(0xffffffffu, suf, o);
+        if (lane + o < 32) suf += yv;
+    }
+    float after = __shfl_down_sync(0xffffffffu, suf, 1);
+    if (lane == 31) after = 0.f;
+    const float d1 = after + x1, d0 = d1 + x0;
+    const int64_t o0 = (row0 + 2 * lane) * HV + j;
+    if (2 * lane < len) fq_st_f(a.dg, a.gdt, o0, d0);
+    if (2 * lane + 1 < len) fq_st_f(a.dg, a.gdt, o0 + HV, d1);
+}
+
 /* bwd_wy's last step of a value head j, warp 0 (lane l: rows 2l, 2l + 1):
  *   dgamma_r = sdg + sdgp (both halves) - scz (four quarters),
  *              + e^{gamma_C} <S, dS'> + sum x at the chunk's last row (sred)
  *   dg_r     = sum_{s >= r} dgamma_s,   dbeta_r = sdbp (both halves)
- * stored for the rows < len. gC = gamma_C of the chunk. */
+ * stored for the rows < len. gC = gamma_C of the chunk. sdg NULL and dgam_out
+ * given (bwd_rev90, whose bwd_local runs after it): dgamma_r without sdg's part
+ * to dgam_out[r] (every row of the chunk), no dg (bwd_local90 finishes it). */
 static __device__ __forceinline__ void fq_bwd_dg_dbeta(const fq_bwd_args &a, const float *sdg, const float *sdgp,
                                                        const float *scz, const float *sdbp, const float *sred,
-                                                       float gC, int len, int64_t row0, int j, int lane)
+                                                       float gC, int len, int64_t row0, int j, int lane,
+                                                       float *dgam_out = NULL)
 {
     const int HV = a.HV;
     float x[2], db[2];
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         const int r = 2 * lane + e;
-        x[e] = sdg[r] + sdgp[r] + sdgp[64 + r] - (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
+        x[e] = (sdg ? sdg[r] : 0.f) + sdgp[r] + sdgp[64 + r] - (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
         db[e] = sdbp[r] + sdbp[64 + r];
         if (r == len - 1) {
             float dot = 0.f, mx = 0.f;
@@ -184,29 +210,14 @@ static __device__ __forceinline__ void fq_bwd_dg_dbeta(const fq_bwd_args &a, con
             x[e] += __expf(gC) * dot + mx;
         }
     }
-    /* dg_r = sum_{s >= r} dgamma_s: lane l holds rows 2l, 2l + 1; suf = the
-     * inclusive suffix sum of the lanes' pairs, after = that of the lanes above
-     * (never suf - pair: a NaN or a large finite dgamma of a row at or before r
-     * would reach dg_r through the subtraction, which the reference's dg_r
-     * never sees) */
-    const float x0 = x[0], x1 = x[1];
-    float suf = x0 + x1;
-    for (int o = 1; o < 32; o <<= 1) {
-        const float yv = __shfl_down_sync(0xffffffffu, suf, o);
-        if (lane + o < 32) suf += yv;
-    }
-    float after = __shfl_down_sync(0xffffffffu, suf, 1);
-    if (lane == 31) after = 0.f;
-    const float d1 = after + x1, d0 = d1 + x0;
     const int64_t o0 = (row0 + 2 * lane) * HV + j;
-    if (2 * lane < len) {
-        fq_st_f(a.dg, a.gdt, o0, d0);
-        fq_st_f(a.dbeta, a.gdt, o0, db[0]);
+    if (2 * lane < len) fq_st_f(a.dbeta, a.gdt, o0, db[0]);
+    if (2 * lane + 1 < len) fq_st_f(a.dbeta, a.gdt, o0 + HV, db[1]);
+    if (dgam_out) {
+        *(float2 *)(dgam_out + 2 * lane) = make_float2(x[0], x[1]);
+        return;
     }
-    if (2 * lane + 1 < len) {
-        fq_st_f(a.dg, a.gdt, o0 + HV, d1);
-        fq_st_f(a.dbeta, a.gdt, o0 + HV, db[1]);
-    }
+    fq_bwd_dg_store(a, x[0], x[1], len, row0, j, lane);
 }
 
 /* dx (dq or dk, [B*T, H, K] in the input dtype) from a thread's fragment of
@@ -324,10 +335,10 @@ fq_status fq_bwd_state90_map(const fq_gdn_params *p, const fq_bwd_args &a, const
                              cudaStream_t stream);
 /* bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu), where fq_bwd_sm90_path: the reverse
  * state pass fused with bwd_wy's products (one warp-specialised CTA per
- * (sequence or segment, value head)): dv, dbeta, dg, and dK per value head into
- * a.dkw, then dk finished from a.dkp and a.dkw; nothing in dsl, dvl. segws as
- * bwd_state90's (its MAP pass and combine first). Needs bwd_local's dkp and
- * dgam (bwd_local90 runs first). */
+ * (sequence or segment, value head)): dv, dbeta, its dgamma into a.dgam and its
+ * dK per value head into a.dkw (bf16); nothing in dsl, dvl. segws as
+ * bwd_state90's (its MAP pass and combine first). bwd_local90 runs after it
+ * (a.dkw given) and finishes dq, dk (the group's sum) and dg. */
 fq_status fq_bwd_rev90_launch(const fq_gdn_params *p, const fq_bwd_args &a, const fq_fwd_ws *segws, int64_t nc,
                               cudaStream_t stream);
 

@@ -808,6 +808,8 @@ fq_status fq_bwd_local_launch(const fq_gdn_params *p, const fq_bwd_args &a, int6
     int done = 0; /* K = V = 128 on sm_90a: the wgmma kernel (gdn_cuda_bwd_fused_sm90.cu) */
     fq_status st = fq_bwd_local90_launch(p, a, nc, stream, &done);
     if (st != FQ_OK || done) return st;
+    if (a.dkw) /* (bwd_rev90's path implies the sm_90a kernel's) */
+        return fq_fail(FQ_ERR_INTERNAL, "fq_bwd_local_launch: finishing bwd_rev90's dk needs the sm_90a kernel");
     const int H = (int)p->H;
     if (p->K == 128 && p->V == 128) return fq_bwd_local_launch_kv<128, 128, true>(a, nc, H, stream);
     if (p->K == 128 && p->V == 64) return fq_bwd_local_launch_kv<128, 64, true>(a, nc, H, stream);

@@ -141,6 +141,10 @@ template <int NR> static __device__ __forceinline__ void fq_wait_all(float (&x)[
  *   dK_O     = dP^T Q                  (summed likewise -> a.dkp, group slot)
  *   dgamma   = rowsum(F ⊙ Q) + rowsum(Z) - colsum(Z)           (-> a.dgam)
  * then dq = r (dq_hat - q_hat (q_hat . dq_hat)) with use_qk_l2norm.
+ * After bwd_rev90 (a.dkw given; gdn_cuda_bwd_reverse_sm90.cu) it finishes dk and dg
+ * instead: dk_hat = dK_O + the sum of bwd_rev90's dK over the group's value heads
+ * (bf16 partials), dk as dq; dg = reverse cumsum(dgamma + bwd_rev90's dgamma from
+ * a.dgam) in the chunk; nothing in a.dkp.
  *
  *   product                 A (major)                       B (major)
  *   QK = Q K^T              Q [r][kd] (K)                   K [s][kd] (K)
@@ -337,12 +341,24 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
             fq_reg_fence(dKO);
         }
         __syncthreads(); /* dgamma complete */
-        if (tid < 64)
-            a.dgam[tile * 64 + tid] =
-                sdgp[tid] + sdgp[64 + tid] - (scz[tid] + scz[64 + tid] + scz[128 + tid] + scz[192 + tid]);
+        if (!a.dkw) {
+            if (tid < 64)
+                a.dgam[tile * 64 + tid] =
+                    sdgp[tid] + sdgp[64 + tid] - (scz[tid] + scz[64 + tid] + scz[128 + tid] + scz[192 + tid]);
+        } else if (warp == 0) {
+            /* after bwd_rev90 (a.dgam: its dgamma): dg = reverse cumsum(both) in the chunk */
+            float x[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int r = 2 * lane + e;
+                x[e] = a.dgam[tile * 64 + r] + sdgp[r] + sdgp[64 + r] -
+                       (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
+            }
+            fq_bwd_dg_store(a, x[0], x[1], len, ci.row0, j, lane);
+        }
     }
 
-    {
+    if (!a.dkw) {
         float *dko = a.dkp + ((int64_t)ci.row0 * H + hq) * K;
 #pragma unroll
         for (int nb = 0; nb < 8; nb++)
@@ -356,6 +372,29 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     /* dq = dq_hat, or its L2-norm backward */
     fq_bwd_dx_store<8, false>(a, a.q, a.dq, dQ, (const float *)NULL, a.rq ? srq : (const float *)NULL, srowp, u, 16 * w + g,
                               [&](int nb) { return 64 * u + 8 * nb + 2 * t; }, len, qrow, K);
+    if (a.dkw) {
+        /* after bwd_rev90: dk_hat = dK_O + the reverse pass's dK of each value head of
+         * the group (a.dkw, bf16 [B*T, HV, K]), in the order of the heads */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * w + g + 8 * h;
+            if (r < len) {
+                const fq_bf16 *pw = a.dkw + ((int64_t)(ci.row0 + r) * HV + hq * G) * K + 64 * u + 2 * t;
+                for (int jj = 0; jj < G; jj++) {
+#pragma unroll
+                    for (int nb = 0; nb < 8; nb++) {
+                        const float2 x = fq_unpack_bf16(*(const uint32_t *)(pw + (int64_t)jj * K + 8 * nb));
+                        dKO[4 * nb + 2 * h] += x.x;
+                        dKO[4 * nb + 2 * h + 1] += x.y;
+                    }
+                }
+            }
+        }
+        /* dk as dq (k^ = rk k: dk = rk (dk^ - k^ (k^ . dk^))) */
+        __syncthreads(); /* (every thread's read of srowp by dq's store done) */
+        fq_bwd_dx_store<8, false>(a, a.k, a.dk, dKO, (const float *)NULL, a.rq ? srk : (const float *)NULL, srowp, u,
+                                  16 * w + g, [&](int nb) { return 64 * u + 8 * nb + 2 * t; }, len, qrow, K);
+    }
 #endif
 }
 

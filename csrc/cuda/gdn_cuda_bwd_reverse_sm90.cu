@@ -27,14 +27,15 @@
  *   y    = dL ⊙ (K^ K^T) ⊙ Gamma: dbeta += rowsum(y),  z = diag(beta) y:
  *                     dgamma += rowsum(z) - colsum(z)
  *   Gl   = diag(beta) dL ⊙ Gamma,  dK += Gl K^ + Gl^T K^
- *   dg   = reverse cumsum(dgamma + bwd_local's dgamma) in the chunk
- * dK (w.r.t. K^, per value head, rounded to bf16) goes to a.dkw; fq_bwd_dk_finish_kernel
- * sums it over the GVA group with bwd_local's dK_O (a.dkp) and applies the
- * L2-norm backward. With dv, dbeta and dg stored here, bwd_wy has nothing left.
+ * dgamma (these terms) goes to a.dgam and dK (w.r.t. K^, per value head, rounded to
+ * bf16) to a.dkw; bwd_local90 runs after this kernel: it adds its own dgamma and
+ * forms dg = reverse cumsum(dgamma) in the chunk, and sums dK over the GVA group with
+ * its dK_O before the L2-norm backward (gdn_cuda_bwd_fused_sm90.cu). With dv and
+ * dbeta stored here, bwd_wy has nothing left.
  *
  * Four warpgroups (512 threads), one CTA per SM (~225 KB of shared memory):
  *   P (40 registers): thread 0 issues the TMA loads, per chunk three groups:
- *        KA (K, A, gamma, bwd_local's dgamma; two stages), QO (Q, dO) and HVV
+ *        KA (K, A, gamma; two stages), QO (Q, dO) and HVV
  *        (h, Vn, V), each once its buffers are released; warps 1..3 check
  *        each group (rows past the chunk's tokens to 0, K scaled by rk, A's
  *        padding to the identity, V's non-finite elements to 0, dO converted
@@ -94,9 +95,9 @@ struct fq_rev_smem {
     static constexpr int off_z = off_dvn + 2 * FQ_TILE;      /* Z' [c][v], 2 tiles; tile 0 first P [r][s] */
     static constexpr int off_da = off_z + 2 * FQ_TILE;       /* dA^T [s][r], then Gl [r][s] (W)           */
     static constexpr int off_vec = off_da + FQ_TILE;
-    /* per KA stage: gamma, bwd_local's dgamma (bulk copies), m, qg, pq = scale rq, beta, bg, eg = e^gamma, rk */
-    static constexpr int VG = 0, VDG = 64, VM = 128, VQG = 192, VPQ = 256, VB = 320, VBG = 384, VEG = 448, VRK = 512;
-    static constexpr int vec_floats = 576;
+    /* per KA stage: gamma (a bulk copy), m, qg, pq = scale rq, beta, bg, eg = e^gamma, rk */
+    static constexpr int VG = 0, VM = 64, VQG = 128, VPQ = 192, VB = 256, VBG = 320, VEG = 384, VRK = 448;
+    static constexpr int vec_floats = 512;
     /* W's reduction slots (fq_bwd_dg_dbeta's layout): sdgp [128], scz [4][64], sdbp [128], sred [16];
      * V's: vdb [4][64] */
     static constexpr int off_slots = off_vec + 2 * vec_floats * 4;
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(512, 1)
         /* ==================================================== producer ==== */
         fq_setmaxnreg_dec<FQ_REV_REG_P>();
         if (tid == 0) {
-            const uint32_t ka_bytes = 3 * FQ_TILE + 512, qo_bytes = (2 + (args.do_tma ? 2 : 0)) * FQ_TILE;
+            const uint32_t ka_bytes = 3 * FQ_TILE + 256, qo_bytes = (2 + (args.do_tma ? 2 : 0)) * FQ_TILE;
             const uint32_t hvv_bytes = 8 * FQ_TILE;
             for (int st = 0; st < nch; st++) {
                 const int i = nch - 1 - st, s = st & 1;
@@ -246,7 +247,6 @@ __global__ void __launch_bounds__(512, 1)
                 uint64_t *fk = &bar[RB_FULL_KA + s];
                 fq_mbar_arrive_tx(fk, ka_bytes);
                 fq_bulk_load(vec + SM::VG, a.gamma + (int64_t)tile * 64, 256, fk);
-                fq_bulk_load(vec + SM::VDG, a.dgam + (int64_t)tile * 64, 256, fk);
                 fq_tma_load_3d(ka + 2 * FQ_TILE, &tm_a, fk, 0, 0, tile);
                 FQ_TR(26);
                 for (int kt = 0; kt < 2; kt++) fq_tma_load_3d(ka + kt * FQ_TILE, &tm_k, fk, 64 * kt, hq, row);
@@ -974,7 +974,8 @@ __global__ void __launch_bounds__(512, 1)
             if (w == 0) {
                 for (int r = lane; r < 64; r += 32) sdbp[64 + r] = vdb[r];
                 __syncwarp();
-                fq_bwd_dg_dbeta(a, vec + SM::VDG, sdgp, scz, sdbp, sred, vec[SM::VG + 63], len, row0, j, lane);
+                fq_bwd_dg_dbeta(a, (const float *)NULL, sdgp, scz, sdbp, sred, vec[SM::VG + 63], len, row0, j, lane,
+                                a.dgam + (int64_t)((chunk0 + i) * HV + j) * 64);
             }
             fq_named_bar(2, 128); /* the slots read before the next chunk writes them */
             fq_mbar_arrive(&bar[RB_VREMPTY]);
@@ -997,37 +998,6 @@ __global__ void __launch_bounds__(512, 1)
         }
     }
 #endif
-}
-
-/* dk = the L2-norm backward of (bwd_local's dK_O summed over the GVA group,
- * a.dkp) + the reverse pass's dK of each value head of the group (a.dkw):
- *   k^ = rk k:  dk = rk (dk^ - k^ (k^ . dk^))
- * One block per (chunk, q/k head), a warp per row, 4 columns per lane (K = 128). */
-__global__ void __launch_bounds__(256) fq_bwd_dk_finish_kernel(fq_bwd_args a)
-{
-    constexpr int K = 128;
-    const fq_chunk_info ci = a.chunks[blockIdx.x];
-    if (ci.seq < 0) return;
-    const int hq = blockIdx.y, H = a.H, HV = a.HV, G = HV / H, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int r = warp; r < ci.len; r += 8) {
-        const int64_t row = ci.row0 + r, o = (row * H + hq) * K + 4 * lane;
-        float4 y = *(const float4 *)(a.dkp + o);
-        for (int jj = 0; jj < G; jj++) {
-            const uint2 x = *(const uint2 *)(a.dkw + (row * HV + hq * G + jj) * K + 4 * lane);
-            const float2 x01 = fq_unpack_bf16(x.x), x23 = fq_unpack_bf16(x.y);
-            y.x += x01.x, y.y += x01.y, y.z += x23.x, y.w += x23.y;
-        }
-        if (a.rk) {
-            const float rk = a.rk[row * H + hq];
-            const float k0 = rk * fq_ld_f(a.k, a.dt, o), k1 = rk * fq_ld_f(a.k, a.dt, o + 1);
-            const float k2 = rk * fq_ld_f(a.k, a.dt, o + 2), k3 = rk * fq_ld_f(a.k, a.dt, o + 3);
-            float d = k0 * y.x + k1 * y.y + k2 * y.z + k3 * y.w;
-            for (int m = 16; m > 0; m >>= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-            y.x = rk * (y.x - k0 * d), y.y = rk * (y.y - k1 * d), y.z = rk * (y.z - k2 * d), y.w = rk * (y.w - k3 * d);
-        }
-        fq_st_f2(a.dk, a.dt, o, y.x, y.y);
-        fq_st_f2(a.dk, a.dt, o + 2, y.z, y.w);
-    }
 }
 
 /* ------------------------------------------------------------- host ---- */
@@ -1081,9 +1051,7 @@ fq_status fq_bwd_rev90_launch(const fq_gdn_params *p, const fq_bwd_args &a, cons
         args.c.ss = segws->ss;
         st = fq_bwd_rev90_pass<FQ_BWD_CP_SEG>(m, args, segws->seg_bound, stream);
     }
-    if (st != FQ_OK) return st;
-    if (nc <= 0) return FQ_OK;
-    return fq_launch_k(fq_bwd_dk_finish_kernel, dim3((unsigned)nc, (unsigned)p->H), 256, 0, stream, 0, a);
+    return st;
 }
 
 #ifdef FQ_REV_TRACE

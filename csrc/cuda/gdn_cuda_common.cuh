@@ -516,6 +516,9 @@ extern "C" {
  * its size in bytes (a multiple of 256). ws->a is set to NULL. Depends only
  * on the sizes and dtype of p. */
 size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
+/* The same without W where with_w == 0 (ws->w NULL; the backward on bwd_rev90's
+ * path, which never forms it). */
+size_t fq_cuda_fwd_ws_layout_w(const fq_gdn_params *p, void *base, fq_fwd_ws *ws, int with_w);
 
 /* The fused sm_90a forward's workspace (gdn_cuda_fwd_fused.cu): the chunk
  * table, norms and bf16 copies as above, then a and rec; gamma, kdecay, w,
