@@ -27,7 +27,11 @@
 # narrows the GPU tests (e.g. "recurrent or serving" after a change to the recurrent step only;
 # a kernel change is done only after the whole GPU suite ran). FQ_PRE_CMD: a dev command run after the
 # build, before the tests (output in $OUT/pre.log). FQ_COMMIT: the commit recorded in the
-# results JSON (the device copy has no .git).
+# results JSON (the device copy has no .git). FQ_PYTEST_WORKERS=N (default 0: one process):
+# the GPU tests in N pytest-xdist processes on the one GPU (their float64 references are
+# single-threaded CPU work; the suite passes under xdist on the CPU, not yet tried on the
+# GPU machine), xdist installed from .devwheels/*.whl when the device's Python lacks it
+# (carry .devwheels: `pip download --no-deps -d .devwheels pytest-xdist execnet` here).
 #
 # Carried inputs (ignored paths named in the device call's `carry`):
 #   .peers/site.tar.xz   FLA 0.6.0, FlashQLA 0.1.3, TileLang 0.1.15 and their dependencies
@@ -299,6 +303,15 @@ if [ "$TESTS" = 1 ]; then
         SEL=(-m gpu); [ "$ALLTESTS" = 1 ] && SEL=()
         [ -n "${FQ_PYTEST_K:-}" ] && SEL+=(-k "$FQ_PYTEST_K")
         TO=(); python3 -c "import pytest_timeout" > /dev/null 2>&1 && TO=(--timeout=120)
+        if [ "${FQ_PYTEST_WORKERS:-0}" -gt 0 ]; then
+            python3 -c "import xdist" > /dev/null 2>&1 || { ls .devwheels/*.whl > /dev/null 2>&1 &&
+                python3 -m pip install -q --no-index --no-deps .devwheels/*.whl > /dev/null 2>&1; }
+            if python3 -c "import xdist" > /dev/null 2>&1; then
+                TO+=(-n "$FQ_PYTEST_WORKERS"); echo "pytest-xdist: $FQ_PYTEST_WORKERS workers"
+            else
+                echo "pytest-xdist: not available (no .devwheels carried?): one process"
+            fi
+        fi
         # torch.compile's tests in-process: at 4f71228 pytest had finished every test and then
         # waited at exit for inductor's compile-worker pool until the cap's SIGINT (rc 124)
         export TORCHINDUCTOR_COMPILE_THREADS=1
