@@ -74,7 +74,14 @@
  *     dv_local and dS_local formed on chip, so bwd_local there forms neither;
  *   5 + 6 for dk: bwd_wy (gdn_cuda_bwd_fused.cu), the same scheme as
  *     bwd_local, dk finished in the block; at K = V = 128 on sm_90a the same
- *     block with wgmma products (gdn_cuda_bwd_fused_sm90.cu, as bwd_local there).
+ *     block with wgmma products (gdn_cuda_bwd_fused_sm90.cu, as bwd_local there);
+ *   4 + 5 where fq_bwd_rev_path (K = V = 128 on sm_90a, sequences x value heads
+ *     filling enough of a wave): bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu), the
+ *     chain and bwd_wy's products in one warp-specialised CTA per (sequence or
+ *     segment, value head): dv, dbeta, its dgamma terms (dgam) and dK per value
+ *     head (bf16, dkw); dS_next and dVn never leave the chip. Then 3 + 6:
+ *     bwd_local90 runs after it and finishes dq, dk (dK_O + the group's dkw,
+ *     the L2-norm backward) and dg (its dgamma + bwd_rev90's, reverse cumsum).
  * Versions 1-5 (unfused kernels, a separate dq/dk reduction, earlier reverse
  * state passes) were removed once superseded: see benchmarks/NOTES.md and git
  * history (commit 4599409).
