@@ -318,7 +318,7 @@ if [ "$TESTS" = 1 ]; then
         # at the cap pytest gets SIGINT first, so that it still prints its failures and counts
         # (killed 15 s later if it has not stopped)
         timeout -s INT -k 15 "$(( TEST_CAP - 15 ))" python3 -m pytest tests "${SEL[@]}" -q -rfE \
-            --maxfail="${FQ_MAXFAIL:-10}" "${TO[@]}" -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
+            --maxfail="${FQ_MAXFAIL:-10}" --durations=20 "${TO[@]}" -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1
         rc=$?
         grep -E "^(FAILED|ERROR) " "$OUT/pytest_gpu.log" | head -n 20
         line=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran" "$OUT/pytest_gpu.log" | tail -n 1)
