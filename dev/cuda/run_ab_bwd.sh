@@ -22,18 +22,7 @@ BIN=$PWD/.devbin_bwd
 if [ "$MODE" = build ]; then
     OTHER=${2:?usage: run_ab_bwd.sh build BASELINE_TREE}
     rm -rf "$BIN"; mkdir -p "$BIN"
-    NV="nvcc -std=c++17 -O3 -lineinfo --use_fast_math -gencode arch=compute_90a,code=sm_90a"
-    for side in a b; do
-        tree=$PWD; [ $side = a ] && tree=$OTHER
-        B=/tmp/fq_ab_bwd_$side; rm -rf $B; mkdir -p $B
-        gcc -std=c11 -O2 -I"$tree/csrc" -c "$tree/csrc/gdn_common.c" -o $B/gdn_common.o || exit 1
-        (cd "$tree" && ls dev/cuda/check_bwd.cu csrc/cuda/gdn_cuda_*.cu) |
-            xargs -P 2 -I{} sh -c "cd '$tree' && $NV -Icsrc -Xcompiler -fopenmp -Xptxas -v -c {} -o $B/\$(basename {} .cu).o > $B/\$(basename {} .cu).log 2>&1 || { echo FAIL {}; cat $B/\$(basename {} .cu).log | grep -A3 error | head -20; }"
-        $NV -o "$BIN/check_bwd_$side" $B/*.o -lgomp || exit 1
-        echo "=== $side ($tree): ptxas of the backward files"
-        cat $B/gdn_cuda_bwd*.log | grep -E "spill|registers" | sort | uniq -c | head -12
-    done
-    xz -T2 -6 "$BIN"/check_bwd_*
+    bash dev/cuda/build_check_bwd.sh a "" "$OTHER" && bash dev/cuda/build_check_bwd.sh b || exit 1
     ls -la "$BIN"
     exit 0
 fi
