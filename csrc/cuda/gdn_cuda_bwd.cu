@@ -375,8 +375,7 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
     if (rev) {
         /* 4 + 5: the chain and bwd_wy's products in one kernel (its dgamma in dgam, its
          * dK per value head in dkw), then 3 + 6: bwd_local90 finishes dq, dk and dg
-         * (events: "st" = bwd_rev90, "wy" = bwd_local90 there) */
-        args.dkp = NULL;
+         * (events: "st" = bwd_rev90, "wy" = bwd_local90 there; ws.dkp NULL) */
         if ((st = fq_bwd_rev90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[2], stream));
         if ((st = fq_bwd_local_launch(p, args, nc, stream)) != FQ_OK) return st;
