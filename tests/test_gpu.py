@@ -156,6 +156,39 @@ def test_cuda_stage_a_beside_the_state_pass_matches_reference_and_the_batched_bi
     assert torch.equal(bits(ht1[0]), bits(ht2[1]))
 
 
+@pytest.mark.parametrize("H, HV, T, l2norm", [(16, 32, 1000, False), (4, 8, 2048, True)],
+                         ids=["one-chain-per-head", "context-parallel"])
+def test_cuda_bwd_wy_beside_the_reverse_chains_matches_reference_and_the_batched_bits(H, HV, T, l2norm):
+    # issue 8: where bwd_state90's chains leave at least 16 SMs free, bwd_wy90 runs beside
+    # them, each block waiting for the flags of its chunk that the chains set as they store
+    # dS_next and dVn (fq_bwd_wy_beside): on 132 SMs one sequence alone, 64 CTAs at 16/32,
+    # 80 at 4/8 (context parallelism: 2048 tokens in four segments, five slots), in the
+    # order of the chains (the segments' ends first). Packed before a sequence of 1100
+    # tokens the chains need more than that allows (128 CTAs at 16/32; 8 segment slots x 16
+    # at 4/8) and bwd_wy90 runs after them. Against the float64 reference, and the sequence's
+    # gradient bits the same both ways (on any GPU: only the scheduling differs).
+    _, t = _inputs(_case(1, T, H, HV, 128, 128, l2norm=l2norm))
+    d1 = c_chunk_bwd(t, use_qk_l2norm=l2norm)
+    torch.cuda.synchronize()
+    ref = reference_of(t, use_qk_l2norm=l2norm)
+    for g in GRAD_NAMES:
+        assert_close(g, d1[g], ref[g], gpu_tol(g))
+    _, tb = _inputs(_case(1, 0, H, HV, 128, 128, l2norm=l2norm, seqlens=[T, 1100]), seed=5)
+    for n in ("q", "k", "v", "g", "beta", "do"):
+        tb[n][:, :T] = t[n]
+    tb["h0"][0] = t["h0"][0]
+    tb["dht"][0] = t["dht"][0]
+    d2 = c_chunk_bwd(tb, use_qk_l2norm=l2norm)
+    torch.cuda.synchronize()
+
+    def bits(x):
+        return x.contiguous().view(torch.uint8)
+
+    for g in ("dq", "dk", "dv", "dg", "dbeta"):
+        assert torch.equal(bits(d1[g][0]), bits(d2[g][0, :T])), f"{g}: the packed sequence's bits differ"
+    assert torch.equal(bits(d1["dh0"][0]), bits(d2["dh0"][0])), "dh0: the packed sequence's bits differ"
+
+
 def test_cuda_paired_ctas_match_reference_and_the_bits_of_a_sequence_alone():
     # issue 7: where the fused forward's CTAs (one per value head and 64 state
     # columns) would need more than one wave, one CTA takes both column blocks of

@@ -74,7 +74,9 @@
  *     dv_local and dS_local formed on chip, so bwd_local there forms neither;
  *   5 + 6 for dk: bwd_wy (gdn_cuda_bwd_fused.cu), the same scheme as
  *     bwd_local, dk finished in the block; at K = V = 128 on sm_90a the same
- *     block with wgmma products (gdn_cuda_bwd_fused_sm90.cu, as bwd_local there);
+ *     block with wgmma products (gdn_cuda_bwd_fused_sm90.cu, as bwd_local there),
+ *     where bwd_state90's chains leave SMs free (fq_bwd_wy_beside) launched at once
+ *     with it, each block waiting for the flags of its chunk that the chains set;
  *   4 + 5 where fq_bwd_rev_path (K = V = 128 on sm_90a, sequences x value heads
  *     filling enough of a wave): bwd_rev90 (gdn_cuda_bwd_reverse_sm90.cu), the
  *     chain and bwd_wy's products in one warp-specialised CTA per (sequence or
@@ -106,6 +108,8 @@ typedef struct fq_bwd_ws {
     fq_bf16 *dkw;  /* [B*T, HV, K] bf16: bwd_rev90's dK per value head (in U's place), else NULL */
     int *aflag;    /* [nc, HV] stage A's flags (gdn_cuda_fwd_wy.cu), bwd_state90's W poison; then
                       the count and the list of the flagged items ([1 + nc HV]) */
+    int *bready;   /* [nc, HV, 2] bwd_state90's per-chunk flags for bwd_wy90 beside it (not on
+                      bwd_rev90's path) */
     /* the reverse pass's context parallelism (nseg_max > 1 and K <= 128; else NULL):
      * seg.segs [seg_bound], seg.md [cp_bound, HV, K, K + V], seg.ss [cp_bound, HV, K, V] */
     fq_fwd_ws seg;
@@ -197,13 +201,15 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
     fq_bwd_ws tmp;
     if (!ws) ws = &tmp;
     memset(ws, 0, sizeof *ws);
-    /* bwd_rev90's path with given_a: nothing reads or writes W (A replaces it, dK_O is
-     * summed by bwd_local90 itself): the forward's layout without it */
+    /* bwd_rev90's path with given_a (lean): nothing reads or writes W (A replaces it,
+     * dK_O is summed by bwd_local90 itself) or U (the fused recompute's chain forms Vn
+     * itself, its stage A forms no U, bwd_rev90 stores no dVn): the forward's layout
+     * without either */
     const int rev = fq_bwd_rev_path(p);
     fq_fwd_ws probe;
     fq_cuda_fwd_ws_layout(p, NULL, &probe); /* (nc_max) */
-    const int no_w = rev && fq_bwd_given_a(p, probe.nc_max * p->HV);
-    size_t off = fq_cuda_fwd_ws_layout_w(p, base_, &ws->f, !no_w);
+    const int lean = rev && fq_bwd_given_a(p, probe.nc_max * p->HV);
+    size_t off = fq_cuda_fwd_ws_layout_omit(p, base_, &ws->f, lean ? FQ_FWS_OMIT_W | FQ_FWS_OMIT_U : 0);
     char *base = (char *)base_;
     const int64_t nc = ws->f.nc_max, HV = p->HV, K = p->K, V = p->V, BT = p->B * p->T;
 #define FQ_CARVE(ptr, type, bytes)                                         \
@@ -212,16 +218,20 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
         off += fq_bwd_align((size_t)(bytes));                              \
     } while (0)
     FQ_CARVE(ws->a, fq_bf16 *, nc * HV * 64 * 64 * 2);
-    /* dsl: sized for both of its lives, whether or not the fused kernel runs here; where
-     * bwd_rev90 runs, dS_next is never stored: the fused recompute's part alone */
-    const size_t dsl_bytes = rev ? 0 : (size_t)(nc * HV * K * V * 2),
-                 fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
+    /* dsl: sized for all of its lives, whether or not the fused kernel runs here: the
+     * fused recompute's part (step 2), then dS_next (bwd_state90's path) or, lean,
+     * bwd_rev90's dK per value head ([B*T, HV, K] bf16, written after step 2) */
+    const size_t dkw_bytes = (size_t)(BT * HV * K * 2);
+    size_t dsl_bytes = rev ? (lean ? dkw_bytes : 0) : (size_t)(nc * HV * K * V * 2);
+    const size_t fused_bytes = fq_cuda_fwd_fused_extras_layout(p, NULL, NULL);
     FQ_CARVE(ws->dsl, fq_bf16 *, dsl_bytes > fused_bytes ? dsl_bytes : fused_bytes);
-    /* bwd_rev90's dK per value head, [B*T, HV, K] bf16: in U's place (U [nc, HV, 64, V]
+    /* bwd_rev90's dK per value head: lean in dsl's place; else in U's (U [nc, HV, 64, V]
      * bf16 is dead after step 2 and dvl is bwd_state90's alone; K = V there and 64 nc >= B*T) */
     ws->dkw = NULL;
-    if (rev) {
-        const size_t dkw_bytes = (size_t)(BT * HV * K * 2), u_bytes = (size_t)(nc * HV * 64 * V * 2);
+    if (lean) {
+        ws->dkw = ws->dsl;
+    } else if (rev) {
+        const size_t u_bytes = (size_t)(nc * HV * 64 * V * 2);
         if (u_bytes >= dkw_bytes) {
             ws->dkw = ws->f.u; /* (the three-stage recompute still forms U there first) */
         } else {
@@ -242,6 +252,7 @@ static size_t fq_bwd_ws_layout(const fq_gdn_params *p, void *base_, fq_bwd_ws *w
         FQ_CARVE(ws->dkp, float *, dkp_bytes);
     }
     FQ_CARVE(ws->aflag, int *, (2 * nc * HV + 1) * 4);
+    if (!rev) FQ_CARVE(ws->bready, int *, 2 * nc * HV * 4);
     ws->seg = ws->f; /* (its chunk and sequence tables; segs, md, ss, ready NULL as in f) */
     ws->seg.nseg_max = K <= 128 ? fq_bwd_nseg_max(p) : 1;
     ws->seg.seg_bound = fq_cuda_fwd_seg_bound(p, nc, ws->seg.nseg_max);
@@ -273,6 +284,49 @@ static int fq_bwd_cp(const fq_bwd_ws *ws)
         env = e && e[0] == '0' && e[1] == 0 ? 0 : 1;
     }
     return env && ws->seg.segs != NULL;
+}
+
+/* 1: bwd_wy90 runs beside bwd_state90's last pass (the chains with context parallelism
+ * or without), on the SMs the chains leave free, each block waiting per value head for
+ * the flags of its chunk (fq_bwd_wy_wait) that the chains set as they store them, the
+ * blocks ordered as the chains finish chunks (fq_bwd_wy_order). Where that pass has few
+ * CTAs (one per SM: single long sequences, few heads; 64 of 132 SMs at 16/32 1 x 32768,
+ * 80 at 4/8 with 5 segments) bwd_wy90's grid otherwise waits for the whole chain.
+ * Only where at least 16 SMs stay free, programmatic dependent launch is on, and the
+ * grid's sizes fit. FLASHQLA_CUDA_BWD_BESIDE=0 (read once) turns it off, for timing. */
+static int fq_bwd_wy_beside(const fq_gdn_params *p, const fq_bwd_ws *ws, int cp, int rev, fq_bwd_args *a)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *e = getenv("FLASHQLA_CUDA_BWD_BESIDE");
+        env = e && e[0] == '0' && e[1] == 0 ? 0 : 1;
+    }
+    if (!env || rev || !ws->bready || !fq_bwd_sm90_path(p) || !fq_cuda_pdl_enabled()) return 0;
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    const int64_t ctas = (cp ? ws->seg.seg_bound : p->N) * p->HV * (p->V / 64);
+    if (ctas > sms - 16) return 0;
+    /* the order (fq_bwd_wy_order): every sequence's chunks split as fq_fwd_segments_kernel
+     * splits them (no cp_fit in the backward's table), else the last chunk first */
+    const int64_t nch = (p->T + 63) / 64;
+    if (nch > 65535) return 0;
+    int S = 1, L = (int)nch;
+    int64_t rows = ws->f.nc_max;
+    if (!p->cu_seqlens) {
+        if (cp) S = fq_cp_split((int)nch, (int)(nch / FQ_CP_MIN_CHUNKS < ws->seg.nseg_max ? nch / FQ_CP_MIN_CHUNKS
+                                                                                           : ws->seg.nseg_max), &L);
+        rows = p->N * S * L;
+    }
+    if (p->H > 65535 || rows > 65535 || rows <= 0) return 0;
+    a->bseqch = p->cu_seqlens ? 0 : (int)nch;
+    a->bnseq = (int)p->N;
+    a->bnseg = S;
+    a->bsegch = L;
+    return 1;
 }
 
 /* The whole backward on the current device. ev (NULL in the library): seven
@@ -382,6 +436,10 @@ extern "C" fq_status fq_cuda_bwd_run(const fq_gdn_params *p, cudaEvent_t *ev)
         if (ev) FQ_CUDA_CHECK(cudaEventRecord(ev[3], stream));
     } else {
         if (fq_bwd_sm90_path(p)) {
+            if (fq_bwd_wy_beside(p, &ws, cp, rev, &args)) {
+                FQ_CUDA_CHECK(cudaMemsetAsync(ws.bready, 0, (size_t)(2 * nc * p->HV) * sizeof(int), stream));
+                args.bready = ws.bready;
+            }
             if ((st = fq_bwd_state90_launch(p, args, cp ? &ws.seg : NULL, nc, stream)) != FQ_OK) return st;
         } else if ((st = fq_bwd_state_launch(p, args, cp ? &ws.seg : NULL, 0, 0, stream)) != FQ_OK) {
             return st;

@@ -131,7 +131,59 @@ struct fq_bwd_args {
     int H, HV;
     float scale;
     int state_vk;      /* [serving] dht, dh0 (and h0) stored [V][K] (fq_state_at) */
+    /* bwd_wy90 beside bwd_state90 (fq_bwd_wy_beside, gdn_cuda_bwd.cu; else bready NULL):
+     * bwd_state90 sets bready[2 tile + column block] once dS_next and dVn of the tile are
+     * stored, and bwd_wy90, launched at once with it, waits for them per value head */
+    int *bready;       /* [nc, HV, 2] zeroed before bwd_state90 */
+    int bseqch;        /* chunks of every sequence where all have the same length (no cu_seqlens), else 0 */
+    int bnseq;         /* N */
+    int bnseg, bsegch; /* bseqch > 0: segments per sequence and chunks per segment (1, bseqch
+                          without context parallelism), bnseg bsegch >= bseqch */
 };
+
+/* bwd_wy90 beside bwd_state90: the chunk of block row y (0 .. N S L - 1), in the order in
+ * which the chains store theirs. Every sequence of bseqch chunks split alike into S
+ * segments of L chunks (S = 1, L = bseqch without context parallelism): step y / (N S)
+ * from each segment's end, then sequence and segment y % (N S); -1 past a sequence's end
+ * (the last segment's missing steps). Any S L >= bseqch visits every chunk once; S and L
+ * as the segment table's only make the order the chains'. Different lengths (bseqch 0):
+ * the last chunk first (y = nc - 1 - c). */
+static __device__ __forceinline__ int fq_bwd_wy_order(const fq_bwd_args &a, int y)
+{
+    if (a.bseqch <= 0) return (int)gridDim.y - 1 - y;
+    const int S = a.bnseg, L = a.bsegch, ns = a.bnseq * S;
+    const int step = y / ns, n = (y % ns) / S, sg = y % S;
+    const int k = sg * L + (L - 1 - step);
+    if (step >= L || k >= a.bseqch) return -1;
+    return a.seqs[n].chunk0 + k;
+}
+
+/* bwd_wy90 beside bwd_state90: the block that waits for the whole of bwd_state90 before it
+ * exits (the grid's last), so that the grid never completes before bwd_state90 */
+static __device__ __forceinline__ int fq_bwd_wy_last(const fq_bwd_args &a)
+{
+    return a.bready && blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1;
+}
+
+/* bwd_wy90 beside bwd_state90, one thread: until both column blocks' flags f[0], f[1] are
+ * set (acquire loads; the block's barrier after it orders the block's loads after them).
+ * After 20 ms without them (never expected: every chunk of a sequence is stored by a
+ * chain) it waits for the whole of bwd_state90 instead, which covers every store too. */
+static __device__ __forceinline__ void fq_bwd_wy_wait(const int *f)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint64_t t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+    while (!(fq_flag_ready(f) && fq_flag_ready(f + 1))) {
+        __nanosleep(100);
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t1));
+        if (t1 - t0 > 20000000ull) {
+            fq_pdl_wait();
+            break;
+        }
+    }
+#endif
+}
 
 /* Context parallelism of the reverse pass (exact, as the forward's, DESIGN §2).
  * Per chunk the pass is affine in dS:
@@ -317,6 +369,9 @@ int fq_bwd_sm90_path(const fq_gdn_params *p);
  * fq_bwd_sm90_path says no. */
 fq_status fq_bwd_local90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream,
                                 int *done);
+/* a.bready (fq_bwd_wy_beside): bwd_wy90 launched with programmatic serialization right
+ * after bwd_state90's last pass, blocks (q/k head, fq_bwd_wy_order's row y): N S L rows
+ * (nc with cu_seqlens) */
 fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64_t nc, cudaStream_t stream, int *done);
 /* bwd_state90 (gdn_cuda_bwd_state_sm90.cu), where fq_bwd_sm90_path: the reverse
  * state pass as bwd_state (the same dsl, dvl, dh0 and context parallelism:

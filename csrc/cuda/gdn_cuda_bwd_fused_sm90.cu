@@ -162,7 +162,9 @@ struct fq_local90_smem {
     static constexpr int off_vn = off_do + 2 * FQ_TILE; /* Vn [s][v], then dP [r][s]     */
     static constexpr int off_h = off_vn + 2 * FQ_TILE;  /* h = S [kd][v], 4 tiles        */
     static constexpr int off_vec = off_h + 4 * FQ_TILE;
-    static constexpr int bytes = off_vec + 640 * 4 + 1024; /* + alignment slack */
+    /* sg, sfo, srq, srk 64 each, srowp 128, sdgp 128, scz 256, srev 64 (floats) */
+    static constexpr int vec_floats = 832;
+    static constexpr int bytes = off_vec + vec_floats * 4 + 1024; /* + alignment slack */
     static_assert(2 * (bytes + 1024) <= 228 * 1024, "two blocks per SM");
 };
 
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     float *sg = (float *)(smem + SM::off_vec), *sfo = sg + 64, *srq = sg + 128, *srk = sg + 192;
     /* deterministic reductions as in fq_bwd_local_kernel: row-sum slots [u][row],
      * column-sum slots [w][column] */
-    float *srowp = sg + 256, *sdgp = sg + 384, *scz = sg + 512;
+    float *srowp = sg + 256, *sdgp = sg + 384, *scz = sg + 512, *srev = sg + 768; /* (.. 832: vec_floats) */
 
     const int c = blockIdx.x, hq = blockIdx.y, HV = a.HV, H = a.H, G = HV / H;
     const fq_chunk_info ci = a.chunks[c];
@@ -201,10 +203,31 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     fq_async_tiles<2>(sK, a.kb + qrow * K, (int64_t)H * K, 64, len);
 
     /* dQ and dK_O (columns kd = 64 u + 8 nb + 2 t + e % 2) summed over the
-     * group in wgmma accumulators; dK_O to a.dkp ([B*T, H, K]) at the end */
+     * group in wgmma accumulators; dK_O to a.dkp ([B*T, H, K]) at the end. After
+     * bwd_rev90 (a.dkw) dK_O's accumulator starts from the reverse pass's dK of the
+     * group's value heads (bf16 [B*T, HV, K], summed in the order of the heads), read
+     * here so that the loads overlap the tiles' and the products:
+     *   dk_hat = sum_j dK_rev[j] + sum_j dK_O[j] */
     float dQ[32], dKO[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) dQ[i] = dKO[i] = 0.f;
+    if (a.dkw) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * w + g + 8 * h;
+            if (r < len) {
+                const fq_bf16 *pw = a.dkw + ((int64_t)(ci.row0 + r) * HV + hq * G) * K + 64 * u + 2 * t;
+                for (int jj = 0; jj < G; jj++) {
+#pragma unroll
+                    for (int nb = 0; nb < 8; nb++) {
+                        const float2 x = fq_unpack_bf16(*(const uint32_t *)(pw + (int64_t)jj * K + 8 * nb));
+                        dKO[4 * nb + 2 * h] += x.x;
+                        dKO[4 * nb + 2 * h + 1] += x.y;
+                    }
+                }
+            }
+        }
+    }
 
     for (int jj = 0; jj < G; jj++) {
         const int j = hq * G + jj;
@@ -215,6 +238,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
             sg[tid] = gm;
             sfo[tid] = a.scale * __expf(gm);
             sdgp[tid] = sdgp[64 + tid] = 0.f;
+            if (a.dkw) srev[tid] = a.dgam[tile * 64 + tid]; /* bwd_rev90's dgamma */
         }
         fq_async_tiles<2>(sVn, a.vn + tile * 64 * V, V, 64, 64);
         if (a.dout_async) {
@@ -351,7 +375,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 const int r = 2 * lane + e;
-                x[e] = a.dgam[tile * 64 + r] + sdgp[r] + sdgp[64 + r] -
+                x[e] = srev[r] + sdgp[r] + sdgp[64 + r] -
                        (scz[r] + scz[64 + r] + scz[128 + r] + scz[192 + r]);
             }
             fq_bwd_dg_store(a, x[0], x[1], len, ci.row0, j, lane);
@@ -373,23 +397,6 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_local90_kernel(fq_bwd_args a)
     fq_bwd_dx_store<8, false>(a, a.q, a.dq, dQ, (const float *)NULL, a.rq ? srq : (const float *)NULL, srowp, u, 16 * w + g,
                               [&](int nb) { return 64 * u + 8 * nb + 2 * t; }, len, qrow, K);
     if (a.dkw) {
-        /* after bwd_rev90: dk_hat = dK_O + the reverse pass's dK of each value head of
-         * the group (a.dkw, bf16 [B*T, HV, K]), in the order of the heads */
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = 16 * w + g + 8 * h;
-            if (r < len) {
-                const fq_bf16 *pw = a.dkw + ((int64_t)(ci.row0 + r) * HV + hq * G) * K + 64 * u + 2 * t;
-                for (int jj = 0; jj < G; jj++) {
-#pragma unroll
-                    for (int nb = 0; nb < 8; nb++) {
-                        const float2 x = fq_unpack_bf16(*(const uint32_t *)(pw + (int64_t)jj * K + 8 * nb));
-                        dKO[4 * nb + 2 * h] += x.x;
-                        dKO[4 * nb + 2 * h + 1] += x.y;
-                    }
-                }
-            }
-        }
         /* dk as dq (k^ = rk k: dk = rk (dk^ - k^ (k^ . dk^))) */
         __syncthreads(); /* (every thread's read of srowp by dq's store done) */
         fq_bwd_dx_store<8, false>(a, a.k, a.dk, dKO, (const float *)NULL, a.rq ? srk : (const float *)NULL, srowp, u,
@@ -442,9 +449,23 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
      * four row quarters), block sums slot [warp]. */
     float *srowp = sg + 384, *sdgp = sg + 512, *sdbp = sg + 640, *scz = sg + 768, *sred = sg + 1024;
 
-    const int c = blockIdx.x, hq = blockIdx.y, HV = a.HV, H = a.H, G = HV / H;
-    const fq_chunk_info ci = a.chunks[c];
-    if (ci.seq < 0) return;
+    const int HV = a.HV, H = a.H, G = HV / H;
+    /* beside bwd_state90 (a.bready): block (hq, y), its chunk from the order in which
+     * the chains finish theirs (fq_bwd_wy_order); else block (c, hq). Beside, one block
+     * waits for the whole of bwd_state90 (fq_pdl_wait) before it exits, so that this
+     * grid never completes before it: the last one (fq_bwd_wy_last) */
+    int c, hq;
+    if (a.bready) {
+        hq = blockIdx.x;
+        c = fq_bwd_wy_order(a, blockIdx.y);
+    } else {
+        c = blockIdx.x, hq = blockIdx.y;
+    }
+    const fq_chunk_info ci = a.chunks[c < 0 ? 0 : c];
+    if (c < 0 || ci.seq < 0) {
+        if (fq_bwd_wy_last(a)) fq_pdl_wait();
+        return;
+    }
     const int len = ci.len, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3, u = warp >> 2, w = warp & 3;
     const int64_t qrow = (int64_t)ci.row0 * H + hq;
@@ -462,7 +483,9 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
     for (int jj = 0; jj < G; jj++) {
         const int j = hq * G + jj;
         const int64_t tile = (int64_t)c * HV + j;
-        if (jj > 0) __syncthreads(); /* the previous head is done with every buffer */
+        /* beside bwd_state90: dS_next and dVn of (c, j), both column blocks, stored */
+        if (a.bready && tid == 0) fq_bwd_wy_wait(a.bready + 2 * tile);
+        if (jj > 0 || a.bready) __syncthreads(); /* the previous head is done with every buffer */
         if (tid < 64) {
             const float gm = a.gamma[tile * 64 + tid], gC = a.gamma[tile * 64 + 63];
             const bool ok = tid < len;
@@ -735,6 +758,7 @@ __global__ void __launch_bounds__(256, 2) fq_bwd_wy90_kernel(fq_bwd_args a)
      * then the L2-norm backward, and dk in the input dtype. */
     fq_bwd_dx_store<8, true>(a, a.k, a.dk, dK, a.dkp + ((int64_t)ci.row0 * H + hq) * K, a.rk ? srk : (const float *)NULL,
                              srowp, u, 16 * w + g, [&](int nb) { return 64 * u + 8 * nb + 2 * t; }, len, qrow, K);
+    if (fq_bwd_wy_last(a)) fq_pdl_wait();
 #endif
 }
 
@@ -798,7 +822,17 @@ fq_status fq_bwd_wy90_launch(const fq_gdn_params *p, const fq_bwd_args &a, int64
 {
     *done = 0;
     if (!fq_bwd_sm90_path(p)) return FQ_OK;
-    fq_status st = fq_bwd_sm90_launch((const void *)fq_bwd_wy90_kernel, fq_wy90_smem::bytes, a, nc, (int)p->H, stream);
+    fq_status st;
+    if (a.bready) {
+        /* beside bwd_state90: programmatic serialization, blocks (q/k head, order) */
+        const void *fn = (const void *)fq_bwd_wy90_kernel;
+        if ((st = fq_cuda_set_smem(fn, fq_wy90_smem::bytes)) != FQ_OK) return st;
+        if ((st = fq_cuda_func_attr(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100)) != FQ_OK) return st;
+        const int64_t rows = a.bseqch > 0 ? (int64_t)a.bnseq * a.bnseg * a.bsegch : nc;
+        st = fq_launch_k(fq_bwd_wy90_kernel, dim3((unsigned)p->H, (unsigned)rows), 256, fq_wy90_smem::bytes, stream, 1, a);
+    } else {
+        st = fq_bwd_sm90_launch((const void *)fq_bwd_wy90_kernel, fq_wy90_smem::bytes, a, nc, (int)p->H, stream);
+    }
     *done = st == FQ_OK;
     return st;
 }

@@ -103,17 +103,32 @@ static __device__ __forceinline__ void fq_bst_store_t(unsigned char *dst, const 
     fq_stsm_x4_t(fq_smem_u32(dst + (row >> 6) * FQ_TILE + fq_sw128(row & 63, 2 * v0)), a[0], a[1], a[2], a[3]);
 }
 
+/* bwd_wy90 beside this pass (a.bready): the flag of a chunk's stores, set once they are
+ * complete and visible (thread tc = 0, the one that issued them): the bulk group's
+ * completion, the async proxy's writes ordered before the generic release */
+static __device__ __forceinline__ void fq_bst_publish(int *flag)
+{
+    fq_bulk_wait0();
+    fq_fence_proxy_async_global();
+    fq_flag_publish(flag);
+}
+
 /* The chain's per-chunk stores of dS_next (ds: 8 K-steps of a bf16 A operand, 64 rows v)
  * and dVn (dv: 4 K-steps) to global memory: each transposed (fq_bst_store_t) into its
  * staging tiles, one proxy fence, then two TMA stores (boxes at (c0, 0, tile)) by thread
  * tc = 0 of the chain warpgroup, one bulk group. The staging is free once the group of
- * the chunk before has read it. */
+ * the chunk before has read it; pub (bwd_wy90 beside, else NULL): the flag of the chunk
+ * before, set once its group is complete (a chunk later than its issue: no wait on the
+ * chain in the usual case) */
 static __device__ __forceinline__ void fq_bst_stage_stores(unsigned char *sds, const uint32_t (&ds)[8][4],
                                                           unsigned char *sdv, const uint32_t (&dv)[4][4],
                                                           const CUtensorMap *tm_ds, const CUtensorMap *tm_dv, int c0,
-                                                          int tile, int tc, int w, int lane)
+                                                          int tile, int tc, int w, int lane, int *pub)
 {
-    if (tc == 0) fq_bulk_wait_read<0>();
+    if (tc == 0) {
+        if (pub) fq_bst_publish(pub);
+        else fq_bulk_wait_read<0>();
+    }
     fq_named_bar(2, 128);
 #pragma unroll
     for (int kk = 0; kk < 8; kk++) fq_bst_store_t(sds, ds[kk], kk, w, lane);
@@ -146,6 +161,9 @@ __global__ void __launch_bounds__(384, 1)
     uint64_t *full = (uint64_t *)(smem + SM::off_bar), *empty = full + NS, *checked = empty + NS;
     uint64_t *lfull = checked + NS, *lempty = lfull + 2;
     const fq_bwd_args &a = args.a;
+    /* bwd_wy90 beside this pass (a.bready) may start at once on the SMs left free
+     * (a no-op where the next kernel is launched without programmatic serialization) */
+    if constexpr (CP != FQ_BWD_CP_MAP) fq_pdl_trigger();
 
     const int HV = a.HV, ncb = args.ncb;
     const int cb = blockIdx.x % ncb, j = (blockIdx.x / ncb) % HV, unit = blockIdx.x / (ncb * HV);
@@ -474,7 +492,8 @@ __global__ void __launch_bounds__(384, 1)
             /* dS_next[c] = dS' (bf16 [K][V]) and dVn (bf16 [64][V]) to dsl, dvl while Z runs
              * (va is its A operand; sb's product is complete): one proxy fence per chunk */
             if constexpr (!MAP)
-                fq_bst_stage_stores(sDs, sb, sDv, va, &tm_ds, &tm_dv, 64 * vb, tile, tc, w, lane);
+                fq_bst_stage_stores(sDs, sb, sDv, va, &tm_ds, &tm_dv, 64 * vb, tile, tc, w, lane,
+                                    a.bready && st > 0 ? a.bready + 2 * (tile + HV) + vb : (int *)NULL);
             float fwc[16];
 #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
@@ -503,7 +522,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int kk = 0; kk < K / 16; kk++) fq_acc_to_a(sb[kk], &S[8 * kk], 1.f);
         }
-        if (tc == 0) fq_bulk_wait0(); /* the last stores complete */
+        if (tc == 0) { /* the last stores complete (and their flag: chunk 0 of the unit) */
+            if (!MAP && a.bready && nch > 0) fq_bst_publish(a.bready + 2 * (chunk0 * HV + j) + vb);
+            else fq_bulk_wait0();
+        }
         /* MAP: columns 64 cb.. of the segment's [M | D]; else dh0 at the sequence's
          * first segment (NONE: its only one) */
         float *dst = NULL;
@@ -585,8 +607,12 @@ static fq_status fq_bwd_state90_run(const fq_gdn_params *p, const fq_bwd_args &a
     CUtensorMap m[6];
     fq_status st = fq_bwd_tmaps_qkado(p, a, nc, m);
     if (st != FQ_OK) return st;
-    if ((st = fq_tmap(&m[4], a.dsl, 3, dds, sds, bds)) != FQ_OK) return st;
-    if ((st = fq_tmap(&m[5], a.dvl, 3, ddv, sdv, btile)) != FQ_OK) return st;
+    if (map_only) { /* (MAP stores nothing per chunk; bwd_rev90's lean path lays out no dvl) */
+        m[4] = m[5] = m[0];
+    } else {
+        if ((st = fq_tmap(&m[4], a.dsl, 3, dds, sds, bds)) != FQ_OK) return st;
+        if ((st = fq_tmap(&m[5], a.dvl, 3, ddv, sdv, btile)) != FQ_OK) return st;
+    }
     fq_bst_args args;
     memset(&args, 0, sizeof args);
     args.a = a;

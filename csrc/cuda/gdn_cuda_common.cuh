@@ -516,9 +516,12 @@ extern "C" {
  * its size in bytes (a multiple of 256). ws->a is set to NULL. Depends only
  * on the sizes and dtype of p. */
 size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base, fq_fwd_ws *ws);
-/* The same without W where with_w == 0 (ws->w NULL; the backward on bwd_rev90's
- * path, which never forms it). */
-size_t fq_cuda_fwd_ws_layout_w(const fq_gdn_params *p, void *base, fq_fwd_ws *ws, int with_w);
+/* The same without the regions of omit (ws->w, ws->u NULL): the backward on
+ * bwd_rev90's path, which never forms W, and with the fused recompute's stage A
+ * (given A) no U either. */
+#define FQ_FWS_OMIT_W 1
+#define FQ_FWS_OMIT_U 2
+size_t fq_cuda_fwd_ws_layout_omit(const fq_gdn_params *p, void *base, fq_fwd_ws *ws, int omit);
 
 /* The fused sm_90a forward's workspace (gdn_cuda_fwd_fused.cu): the chunk
  * table, norms and bf16 copies as above, then a and rec; gamma, kdecay, w,
@@ -543,6 +546,18 @@ size_t fq_cuda_fwd_fused_extras_layout(const fq_gdn_params *p, void *base, fq_fw
 #define FQ_CP_MIN_CHUNKS 8
 #endif
 #define FQ_CP_SMS 132
+/* The split itself, for a sequence of nch chunks and nseg segments asked (after the
+ * limits above): fewer than three -> one; *len = chunks per segment (the last may have
+ * fewer); returns the segments' count (an empty sequence: one). fq_fwd_segments_kernel
+ * and, for its order, the backward's bwd_wy beside the chains (gdn_cuda_bwd.cu). */
+static __host__ __device__ __forceinline__ int fq_cp_split(int nch, int nseg, int *len)
+{
+    if (nseg < 3) nseg = 1; /* (two would gain nothing) */
+    int L = (nch + nseg - 1) / nseg;
+    if (L < 1) L = 1;
+    *len = L;
+    return nch > 0 ? (nch + L - 1) / L : 1;
+}
 int fq_cuda_fwd_nseg_max(const fq_gdn_params *p);
 /* Segment slots for nc_max chunk slots: N nseg_max, or fewer where the
  * chunks cannot fill them (N + nc / FQ_CP_MIN_CHUNKS); from sizes only. */

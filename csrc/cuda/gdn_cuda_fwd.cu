@@ -132,10 +132,10 @@ static size_t fq_fwd_ws_common(const fq_gdn_params *p, char *base, fq_fwd_ws *ws
 
 extern "C" size_t fq_cuda_fwd_ws_layout(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws)
 {
-    return fq_cuda_fwd_ws_layout_w(p, base_, ws, 1);
+    return fq_cuda_fwd_ws_layout_omit(p, base_, ws, 0);
 }
 
-extern "C" size_t fq_cuda_fwd_ws_layout_w(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws, int with_w)
+extern "C" size_t fq_cuda_fwd_ws_layout_omit(const fq_gdn_params *p, void *base_, fq_fwd_ws *ws, int omit)
 {
     char *base = (char *)base_;
     fq_fwd_ws tmp;
@@ -144,8 +144,8 @@ extern "C" size_t fq_cuda_fwd_ws_layout_w(const fq_gdn_params *p, void *base_, f
     const int64_t nc = ws->nc_max, HV = p->HV, K = p->K, V = p->V;
     ws->gamma = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 4);
     ws->kdecay = (float *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK) * 4);
-    ws->w = with_w ? (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * K) * 2) : (fq_bf16 *)NULL;
-    ws->u = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * V) * 2);
+    ws->w = omit & FQ_FWS_OMIT_W ? (fq_bf16 *)NULL : (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * K) * 2);
+    ws->u = omit & FQ_FWS_OMIT_U ? (fq_bf16 *)NULL : (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * V) * 2);
     ws->h = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * K * V) * 2);
     ws->vn = (fq_bf16 *)fq_carve(base, &off, (size_t)(nc * HV * FQ_CHUNK * V) * 2);
     ws->a = NULL;

@@ -79,10 +79,7 @@ __global__ void __launch_bounds__(1024) fq_fwd_segments_kernel(const fq_seq_info
                 const int cap = (64 * Lt - om.rss) / om.rblk, cap_last = (last - om.rss) / om.rblk;
                 if (last >= om.rss && cap >= 1 && (Pt - 1) * cap + cap_last >= (Pt - 1) * om.ncb) break;
             }
-            if (nseg < 3) nseg = 1; /* (two would gain nothing) */
-            L = (si.nchunks + nseg - 1) / nseg;
-            if (L < 1) L = 1;
-            nseg = si.nchunks > 0 ? (si.nchunks + L - 1) / L : 1; /* an empty sequence: one segment (ht = h0) */
+            nseg = fq_cp_split(si.nchunks, nseg, &L); /* (an empty sequence: one segment, ht = h0) */
         }
         /* this sequence's first segment: the exclusive prefix sum of nseg; its first
          * map / start-state slot: that of nseg over the split sequences only */
