@@ -17,7 +17,9 @@
 # again with bwd_rev90 forced (FLASHQLA_CUDA_BWD_REVERSE=1: the shape rule gives the small
 # cases bwd_state90 + bwd_wy90); FQ_AB_REV_SAN=1 its sanitizers too. FQ_AB_ENV="VAR=value
 # ...": B's timings once more under that environment (e.g. a switch's off position), as
-# "B env". FQ_AB_NO_DRIFT=1 leaves out B's second timing run.
+# "B env". FQ_AB_NO_DRIFT=1 leaves out B's second timing run. FQ_AB_MARK=FILE: FILE is
+# touched once every timing has run (what follows does not need the GPU to itself; see
+# run_ab_beside_build.sh, which starts the GPU suite then).
 set -u
 MODE=${1:-run}
 OUTDIR=${OUT:-/tmp/out}; mkdir -p "$OUTDIR"
@@ -54,6 +56,7 @@ if [ -n "${FQ_AB_ENV:-}" ]; then
     echo "=== B timings with $FQ_AB_ENV"
     env $FQ_AB_ENV OMP_NUM_THREADS=$(nproc) timeout 90 $BIN/check_bwd_b time > $OUTDIR/time_benv.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
 fi
+[ -n "${FQ_AB_MARK:-}" ] && touch "$FQ_AB_MARK"
 if [ -n "${FQ_AB_REV:-}" ]; then
     echo "=== B: full check with bwd_rev90 forced"
     FLASHQLA_CUDA_BWD_REVERSE=1 OMP_NUM_THREADS=$(nproc) timeout 150 $BIN/check_bwd_b > $OUTDIR/check_brev.log 2>&1; echo "(exit $? at $(( $(date +%s) - T0 )) s)"
